@@ -1,0 +1,210 @@
+"""The ``oracle`` command line: parse, call the library, print, exit. No numerics here.
+
+Exit codes (also in README.md and ``oracle --help``):
+  0 success (disagreement is reported, not an error)   1 internal error
+  2 usage error                                        3 input path not found
+  4 bundle malformed / damaged / unsupported schema    5 bundles describe different steps
+  6 output exists (pass --overwrite)                   7 recipe / model / sample problem
+  8 norm log cannot be parsed as asked
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from enum import Enum
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from oracle.errors import EXIT_CODES, OracleError
+
+EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
+app = typer.Typer(
+    help="Float64 ground truth for cross-hardware training precision: capture a step, replay it in "
+    "float64 on CPU, score every device's gradients against it.",
+    epilog=EPILOG,
+    pretty_exceptions_show_locals=False,
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    amp_bf16 = "amp-bf16"
+    amp_fp16 = "amp-fp16"
+
+
+class ReplayDtype(str, Enum):
+    fp64 = "fp64"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    amp_bf16 = "amp-bf16"
+    amp_fp16 = "amp-fp16"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+def user_errors(fn: Callable) -> Callable:
+    """OracleError -> message on stderr and its exit code; anything else -> exit 1, no locals."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OracleError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(code=e.exit_code) from None
+        except typer.Exit:
+            raise
+        except Exception as e:  # a bug: say so, show where, never dump tensors
+            typer.echo(f"internal error: {type(e).__name__}: {e}", err=True)
+            typer.echo("".join(traceback.format_exception(e, limit=-3)), err=True)
+            raise typer.Exit(code=1) from None
+
+    return wrapper
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from oracle.errors import RecipeError
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("--device cuda: no CUDA device is visible to torch")
+    if device == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise RecipeError("--device npu: torch_npu is not installed") from None
+
+
+@app.command()
+@user_errors
+def capture(
+    out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
+    model: str = typer.Option("tiny-qwen3-vl", help="Embedded model name, or a local Hugging Face model directory."),
+    sample: Optional[Path] = typer.Option(None, help="ms-swift style .jsonl; default: the embedded sample."),
+    index: int = typer.Option(0, help="Line of --sample to use."),
+    device: Device = typer.Option(Device.cpu, help="Device the step runs on."),
+    precision: Precision = typer.Option(Precision.fp32, help="Precision policy of the step."),
+    loss_reduction: str = typer.Option("mean", help="'mean' over loss tokens, or 'sum' (Megatron per-token loss)."),
+    seed: int = typer.Option(0, help="Seed set before the step."),
+    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+) -> None:
+    """Take one training step of one sample and write a capture bundle."""
+    from oracle import recipe
+    from oracle.errors import RecipeError
+    from oracle.samples import read_sample
+    from oracle.steps import capture_recipe_step
+
+    if loss_reduction not in ("mean", "sum"):
+        raise RecipeError("--loss-reduction must be 'mean' or 'sum'")
+    _check_device(device.value)
+    r = recipe.for_model(model)
+    src = r.load(model)
+    smp = read_sample(str(sample), index) if sample else r.default_sample()
+    capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
+                        reduction=loss_reduction, seed=seed, overwrite=overwrite)  # fmt: skip
+    from oracle.bundle import Bundle
+
+    b = Bundle(out)
+    typer.echo(f"captured {r.name} ({src.origin}) on {device.value} in {precision.value}: loss "
+               f"{b.get('loss')['value']:.8g} over {b.get('loss')['num_tokens']} tokens, "
+               f"{len(b.names('grads'))} gradients -> {out}")  # fmt: skip
+
+
+@app.command()
+@user_errors
+def replay(
+    capture: Path = typer.Argument(..., help="Capture bundle to replay."),
+    out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
+    dtype: ReplayDtype = typer.Option(ReplayDtype.fp64, help="fp64: the oracle; others: an emulated run (noise band)."),
+    ensemble: int = typer.Option(1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered)."),
+    verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Finite-difference certificate (default: when cheap)."),
+    directions: int = typer.Option(3, help="Random directions for --verify."),
+    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+) -> None:
+    """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    from oracle.bundle import Bundle
+    from oracle.replay import replay as do_replay
+
+    mode = "auto" if verify is None else ("on" if verify else "off")
+    do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
+              overwrite=overwrite, progress=ensemble > 1)  # fmt: skip
+    b = Bundle(out)
+    msg = f"replayed {capture} in {dtype.value}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
+    cert = b.get("certificate")
+    if cert:
+        msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
+    if b.get("numerics"):
+        msg += f"\n  float64 throughout: {b.get('numerics')['promotions']} lower-precision casts in the model code promoted"
+    typer.echo(msg)
+
+
+@app.command()
+@user_errors
+def score(
+    oracle: Path = typer.Argument(..., help="Oracle bundle (from `oracle replay --dtype fp64`)."),
+    captures: List[Path] = typer.Argument(..., help="Capture bundles to score."),
+    band: List[Path] = typer.Option([], "--band", help="Emulation bundle(s) giving the noise band."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full result as JSON."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write PNG, CSV, JSON and an HTML page here."),
+    margin: float = typer.Option(3.0, help="Excess over the band above which a layer is beyond noise."),
+    tol: List[str] = typer.Option([], "--tol", help="Override the tolerance table: PRECISION:expected=VALUE."),
+    name: List[str] = typer.Option([], "--name", help="Display names for the captures, in order."),
+    top: int = typer.Option(8, help="Worst parameters shown per capture."),
+) -> None:
+    """Score captures against the oracle, per parameter and per layer, with a verdict."""
+    from oracle.errors import RecipeError
+    from oracle.render import render
+    from oracle.report import write_json, write_report, _clean
+    from oracle.score import score as do_score
+    from oracle.tolerance import parse_override
+
+    if name and len(name) != len(captures):
+        raise RecipeError(f"--name given {len(name)} times for {len(captures)} captures")
+    overrides: dict = {}
+    for spec in tol:
+        try:
+            key, field, value = parse_override(spec)
+        except ValueError as e:
+            raise RecipeError(str(e)) from None
+        overrides.setdefault(key, {})[field] = value
+    result = do_score(oracle, captures, band_paths=band, margin=margin, tol_overrides=overrides, names=name or None)
+    typer.echo(render(result, top=top))
+    if json_out:
+        write_json(_clean(result), json_out)
+        typer.echo(f"json: {json_out}")
+    if report:
+        typer.echo(f"report: {write_report(result, report)}")
+
+
+@app.command()
+@user_errors
+def demo(
+    dir: Path = typer.Option(Path("oracle-demo"), "--dir", help="Where the demo's bundles and report go."),
+    ensemble: int = typer.Option(4, help="Members of the emulated noise band."),
+) -> None:
+    """The main job on the embedded tiny Qwen3-VL: capture amp-bf16 and fp32, replay fp64, score."""
+    from oracle.demo import run_demo
+
+    typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
+
+
+def main() -> None:  # console script entry point
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Capture one training step of one sample from any training loop.
+
+    import oracle
+    with oracle.Capture(model, "step.bundle", precision="amp-bf16", recipe="qwen3-vl",
+                        model_config=cfg_dict) as cap:
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(**batch)                  # the inputs handed to model are recorded
+        loss = my_loss(out.logits, labels)
+        cap.add_inputs(labels=labels)             # anything the loss used besides the model inputs
+        cap.set_loss(loss, reduction="mean", num_tokens=int((labels != -100).sum()))
+        loss.backward()
+    optimizer.step()                              # after the block: weights must be those the forward used
+
+On a clean exit the bundle holds the inputs (first forward call only), every parameter's value
+as held by the model, every parameter's gradient (``main_grad`` where it exists, else ``.grad``)
+in its own dtype, and the loss. Hooks are removed in every case; nothing is written if the block
+raises. Tensors are copied to CPU one at a time while writing, never all at once.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .bundle import BundleWriter
+from .errors import RecipeError
+from .precision import POLICIES
+
+
+def versions() -> dict[str, str]:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    from . import __version__
+
+    out["oracle"] = __version__
+    return out
+
+
+def describe_device(device: torch.device | str) -> dict[str, Any]:
+    device = torch.device(device)
+    d: dict[str, Any] = {"type": device.type, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda" and torch.cuda.is_available():
+        d["name"] = torch.cuda.get_device_name(device)
+        d["cuda"] = torch.version.cuda
+    elif device.type == "npu":  # pragma: no cover - only on Ascend
+        d["name"] = "npu"
+    else:
+        d["name"] = platform.processor() or platform.machine()
+    return d
+
+
+def gradient_of(p: nn.Parameter) -> torch.Tensor | None:
+    """Megatron's ``main_grad`` (the fp32 accumulator) where it exists, else ``.grad``."""
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
+
+
+class Capture:
+    """Context manager that records one step of ``model`` into a bundle at ``out``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out: str,
+        *,
+        precision: str = "fp32",
+        recipe: str | None = None,
+        model_config: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ):
+        if precision not in POLICIES:
+            raise RecipeError(f"unknown precision {precision!r}; choose one of {', '.join(POLICIES)}")
+        self.model = model
+        self.out = out
+        self.precision = precision
+        self.recipe = recipe
+        self.model_config = dict(model_config or {})
+        self.seed = seed
+        self.overwrite = overwrite
+        self.metadata = dict(metadata or {})
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.static_inputs: dict[str, Any] = {}
+        self.loss: dict[str, Any] | None = None
+        self._handle = None
+        self._device = None
+
+    # -- recording --------------------------------------------------------------------------
+    def _pre_hook(self, module, args, kwargs):
+        if self._handle is not None:  # first forward only: one step of one sample
+            self._handle.remove()
+            self._handle = None
+        for i, a in enumerate(args):
+            self._record(f"arg{i}", a)
+        for k, v in kwargs.items():
+            self._record(k, v)
+
+    def _record(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._device = self._device or value.device
+            self.inputs[name] = value.detach().to("cpu", copy=True)
+        elif isinstance(value, (bool, int, float, str)) or value is None:
+            self.static_inputs[name] = value
+
+    def add_inputs(self, **tensors: torch.Tensor) -> None:
+        """Record tensors the loss used that were not handed to the model (labels, loss mask)."""
+        for k, v in tensors.items():
+            self._record(k, v)
+
+    def set_loss(self, loss: torch.Tensor, *, reduction: str, num_tokens: int | None = None) -> None:
+        """Record the loss value and its convention (``mean`` over loss tokens, or ``sum``)."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError("reduction must be 'mean' or 'sum'")
+        self.loss = {"value": float(loss.detach().float().item()), "reduction": reduction, "num_tokens": num_tokens}
+
+    # -- context ----------------------------------------------------------------------------
+    def __enter__(self) -> "Capture":
+        self._handle = self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if exc_type is not None:
+            return
+        self.write()
+
+    def write(self) -> None:
+        params = dict(self.model.named_parameters())
+        device = self._device or next(iter(params.values())).device
+        no_grad = [n for n, p in params.items() if gradient_of(p) is None]
+        with BundleWriter(self.out, "capture", overwrite=self.overwrite) as w:
+            w.manifest.update(
+                recipe={"name": self.recipe, "config": self.model_config},
+                precision=self.precision,
+                device=describe_device(device),
+                versions=versions(),
+                seed=self.seed,
+                loss=self.loss,
+                static_inputs=self.static_inputs,
+                no_grad=no_grad,
+                metadata=self.metadata,
+            )
+            w.add("inputs", self.inputs)
+            w.add("weights", {n: p.detach() for n, p in params.items()})
+            w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})

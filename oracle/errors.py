@@ -1,0 +1,59 @@
+"""Structural errors, each with its own class and CLI exit code.
+
+A numerical disagreement is never an error: it is data in a score report. These classes are for
+inputs we cannot work with at all (missing files, damaged bundles, bundles of different steps, ...).
+The CLI maps each class to the exit code below; README.md documents the same table.
+"""
+
+from __future__ import annotations
+
+
+class OracleError(Exception):
+    """Base class: a user-facing problem with a message that names the object and the fix."""
+
+    exit_code = 1
+
+
+class InputNotFound(OracleError):
+    exit_code = 3
+
+
+class BundleError(OracleError):
+    """A bundle that is malformed, damaged (hash mismatch) or of an unsupported schema."""
+
+    exit_code = 4
+
+
+class MismatchError(OracleError):
+    """Bundles that do not describe the same step (different inputs or weights)."""
+
+    exit_code = 5
+
+
+class OutputExists(OracleError):
+    exit_code = 6
+
+
+class RecipeError(OracleError):
+    """Unknown recipe, or a model/sample the recipe cannot build or prepare."""
+
+    exit_code = 7
+
+
+class LogParseError(OracleError):
+    """A norm log that cannot be read as the user asked (no matching lines, ambiguous duplicates)."""
+
+    exit_code = 8
+
+
+EXIT_CODES = {
+    0: "success (scoring finished; disagreement is reported, not an error)",
+    1: "internal error (a bug: please report it with the traceback printed by --debug)",
+    2: "usage error (unknown option, missing argument)",
+    InputNotFound.exit_code: "an input path does not exist or cannot be read",
+    BundleError.exit_code: "a bundle is malformed, damaged (hash mismatch) or of an unsupported schema",
+    MismatchError.exit_code: "bundles describe different steps (inputs or weights differ)",
+    OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it)",
+    RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
+    LogParseError.exit_code: "a norm log could not be parsed as asked",
+}

@@ -1,0 +1,31 @@
+"""Token cross-entropy as SFT trainers compute it.
+
+``labels`` holds -100 where no loss is taken (prompt, image and padding tokens). Position t
+predicts label t+1 (the shift transformers and ms-swift's ``torch.roll(labels, -1)`` perform).
+The logits are upcast to at least float32 before the softmax (float64 stays float64), as
+transformers and Megatron's fused cross-entropy do.
+
+reduction ``sum``: sum over loss tokens (Megatron with ``calculate_per_token_loss``, before
+finalize divides by the token count); ``mean``: that sum divided by the number of loss tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> tuple[torch.Tensor, int]:
+    if reduction not in ("sum", "mean"):
+        raise ValueError("reduction must be 'sum' or 'mean'")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    shift_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])  # (B*(T-1), V)
+    shift_labels = labels[..., 1:].reshape(-1)  # (B*(T-1),)
+    n_tokens = int((shift_labels != IGNORE).sum())
+    loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE, reduction="sum")
+    if reduction == "mean":
+        loss = loss / max(n_tokens, 1)
+    return loss, n_tokens

@@ -1,0 +1,169 @@
+"""Replay a captured step on CPU: the float64 ground truth, or an emulated low-precision run.
+
+The oracle (``dtype="fp64"``):
+  1. the recipe builds the module inside ``PrecisionMode(float64)`` (numerics.py), so buffers such
+     as rotary frequencies are computed in float64;
+  2. the captured weights are upcast to float64 (exact for bf16/fp16/fp32) -- the one upcast
+     boundary; the captured float inputs (pixel values) are upcast there too;
+  3. forward, loss and backward run inside the mode: every float op computes in float64, casts
+     that model code makes to float32 are promoted (counted in ``manifest["numerics"]``);
+  4. the loss is asserted float64 before ``backward()``; gradients are written in float64.
+Two replays of one capture on one machine give bitwise-identical gradients (same op order, same
+thread count, no randomness).
+
+Emulated runs (``dtype`` in bf16, fp16, amp-bf16, amp-fp16, fp32): the same step in float32
+(float64 for fp32) with every operand and result of the rounded ops rounded to the target format;
+see numerics.py for exactly what is rounded where. ``ensemble=K`` adds K-1 jittered members; their
+gradient sets are the groups ``grads``, ``grads.1``, ... of one ``emulation`` bundle, which
+``oracle score --band`` turns into a per-parameter noise band.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from . import recipe as recipes
+from .bundle import Bundle, BundleWriter
+from .capture import versions
+from .certify import finite_difference_certificate
+from .errors import BundleError, RecipeError
+from .numerics import PrecisionMode
+from .steps import build_model
+
+# dtype name -> (compute dtype, format rounded to, which ops are rounded)
+EMULATIONS: dict[str, tuple[torch.dtype, torch.dtype | None, str]] = {
+    "fp64": (torch.float64, None, "all"),
+    "fp32": (torch.float32, torch.float32, "all"),
+    "bf16": (torch.float32, torch.bfloat16, "all"),
+    "fp16": (torch.float32, torch.float16, "all"),
+    "amp-bf16": (torch.float32, torch.bfloat16, "amp"),
+    "amp-fp16": (torch.float32, torch.float16, "amp"),
+}
+VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
+
+
+def fingerprint(bundle: Bundle) -> dict[str, dict[str, str]]:
+    """value_sha256 of every input and weight: what makes two bundles "the same step"."""
+    if "fingerprint" in bundle.manifest:
+        return bundle.manifest["fingerprint"]
+    t = bundle.manifest.get("tensors", {})
+    return {g: {n: e["value_sha256"] for n, e in t.get(g, {}).items()} for g in ("inputs", "weights")}
+
+
+def _recipe_of(cap: Bundle):
+    name = (cap.get("recipe") or {}).get("name")
+    if not name:
+        raise RecipeError(
+            f"{cap.path} names no recipe, so it cannot be rebuilt; capture with recipe=... "
+            f"(known: {', '.join(recipes.names())})"
+        )
+    return recipes.get(name)
+
+
+def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
+    """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss."""
+    recipe = _recipe_of(cap)
+    compute, round_to, ops = EMULATIONS[dtype]
+    config = cap.manifest["recipe"]["config"]
+    reduction = (cap.get("loss") or {}).get("reduction", "mean")
+    build_mode = PrecisionMode(compute)
+    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
+    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed)
+    torch.manual_seed(0)
+    with mode:
+        loss, _ = recipe.forward_loss(model, inputs, reduction)
+        if round_to is None:
+            assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
+        loss.backward()
+    mode.promotions += build_mode.promotions
+    return model, inputs, float(loss.item()), mode
+
+
+def replay(
+    capture: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "fp64",
+    ensemble: int = 1,
+    verify: str = "auto",
+    directions: int = 3,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    if dtype not in EMULATIONS:
+        raise RecipeError(f"--dtype {dtype!r} is not one of {', '.join(EMULATIONS)}")
+    if ensemble < 1:
+        raise RecipeError("--ensemble must be at least 1")
+    cap = Bundle(capture)
+    if cap.kind not in ("capture", "oracle"):
+        raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
+    t0 = time.perf_counter()
+    base = {
+        "recipe": cap.get("recipe"),
+        "precision": dtype,
+        "device": {"type": "cpu", "torch_threads": torch.get_num_threads()},
+        "versions": versions(),
+        "source": {"path": str(cap.path), "kind": cap.kind, "precision": cap.get("precision")},
+        "fingerprint": fingerprint(cap),
+        "captured_loss": cap.get("loss"),
+    }
+    if dtype == "fp64":
+        if ensemble != 1:
+            raise RecipeError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+        model, inputs, loss, mode = run_step(cap, dtype)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        n_params = sum(p.numel() for p in model.parameters())
+        cert = None
+        if verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS):
+            recipe = _recipe_of(cap)
+            cert = finite_difference_certificate(
+                model, lambda: recipe.forward_loss(model, inputs, base["captured_loss"]["reduction"] if base["captured_loss"] else "mean")[0],
+                directions=directions, mode_factory=lambda: PrecisionMode(torch.float64),
+            )
+        with BundleWriter(out, "oracle", overwrite=overwrite) as w:
+            w.manifest.update(base)
+            w.manifest.update(
+                loss={**(cap.get("loss") or {}), "value": loss},
+                numerics={"compute": "float64", "promotions": mode.promotions},
+                certificate=cert,
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+            del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
+            w.add("inputs", cap.load_group("inputs"))
+            w.add("weights", cap.load_group("weights"))
+            w.add("grads", grads)
+        return Path(out)
+
+    compute, round_to, ops = EMULATIONS[dtype]
+    with BundleWriter(out, "emulation", overwrite=overwrite) as w:
+        losses = []
+        for k in tqdm(range(ensemble), desc=f"emulating {dtype}", disable=not progress):
+            model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
+            losses.append(loss)
+            w.add("grads" if k == 0 else f"grads.{k}", {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+            del model
+        w.manifest.update(base)
+        w.manifest.update(
+            loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses},
+            members=ensemble,
+            emulation={"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."),
+                       "ops": ops, "jitter": "uniform relative ±½ ulp before round-to-nearest, members ≥ 1"},  # fmt: skip
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+    return Path(out)
+
+
+def member_groups(bundle: Bundle) -> list[str]:
+    """The gradient groups of an emulation bundle (or the single ``grads`` of any other)."""
+    k = int(bundle.get("members", 1))
+    return ["grads"] + [f"grads.{i}" for i in range(1, k)]
+
+
+def describe(bundle: Bundle) -> dict[str, Any]:
+    return {"path": str(bundle.path), "kind": bundle.kind, "precision": bundle.get("precision")}

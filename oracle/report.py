@@ -1,0 +1,114 @@
+"""``oracle score --report DIR``: a page people look at and paste into a bug report.
+
+Writes ``errors.png`` (relative error per layer in backward order for every capture, log scale,
+with each capture's noise band shaded), ``params.csv`` (every parameter's metrics), ``score.json``
+(the full result) and ``index.html`` (a self-contained page: verdicts, the plot inlined as base64,
+the per-layer tables). matplotlib is imported only here, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+CSV_FIELDS = ["capture", "precision", "name", "layer", "rel_l2", "cosine", "norm_ratio", "max_abs",
+              "frac_rel_gt_1e-3", "nonfinite", "band", "excess", "class"]  # fmt: skip
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1, default=_json_default))
+
+
+def _json_default(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
+def _finite(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _clean(obj):
+    if isinstance(obj, float):
+        return _finite(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = result["layer_order"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(order) + 3), 5))
+    xs = {lab: i for i, lab in enumerate(order)}
+    for k, c in enumerate(result["captures"]):
+        metric = "norm_dev" if c["norms_only"] else "rel_l2"
+        rows = [r for r in c["layers"] if r["name"] in xs]
+        x = [xs[r["name"]] for r in rows]
+        color = f"C{k}"
+        ax.fill_between(x, [r["band_low"] for r in rows], [r["band"] for r in rows], color=color, alpha=0.3,
+                        label=f"{c['name']}: noise band ({c['band_kind']})")  # fmt: skip
+        ax.fill_between(x, [r["band"] for r in rows], [r["band"] * result["margin"] for r in rows], color=color,
+                        alpha=0.1, label=f"{c['name']}: up to band x margin ({result['margin']:g})")  # fmt: skip
+        ax.plot(x, [max(r[metric], 1e-18) for r in rows], "o-", color=color, label=f"{c['name']} ({c['precision']})")
+        on = c["verdict"].get("onset")
+        if on:
+            ax.axvline(xs[on["layer"]], color=color, ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(order)))
+    ax.set_xticklabels(order, rotation=70, ha="right", fontsize=8)
+    ax.set_ylabel("relative L2 error vs float64 oracle")
+    ax.set_xlabel("layer, in backward order (loss end first)")
+    ax.set_title("gradient error per layer against the noise band")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(_clean(result), out / "score.json")
+    with open(out / "params.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for c in result["captures"]:
+            for r in c["params"]:
+                w.writerow({"capture": c["name"], "precision": c["precision"], **r})
+    plot(result, out / "errors.png")
+    png = base64.b64encode((out / "errors.png").read_bytes()).decode()
+    e = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>oracle score</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child{text-align:left}"
+        ".beyond_noise{background:#fdd}.non_finite{background:#f99}.within_noise{background:#efe}pre{background:#f6f6f6;padding:1em}</style>",
+        "</head><body><h1>oracle: gradients against the float64 truth</h1>",
+        f"<p>oracle <code>{e(result['oracle']['path'])}</code>, loss {result['oracle']['loss']}</p>",
+        f"<pre>{e(result['summary'])}</pre>",
+        f"<img alt='relative error per layer' src='data:image/png;base64,{png}' style='max-width:100%'>",
+        "<p>Files: <a href='score.json'>score.json</a>, <a href='params.csv'>params.csv</a>, <a href='errors.png'>errors.png</a></p>",
+    ]
+    for c in result["captures"]:
+        metric = "norm_dev" if c["norms_only"] else "rel_l2"
+        parts.append(f"<h2>{e(c['name'])} ({e(c['precision'])})</h2><p>{e(c['verdict']['text'])}</p>")
+        parts.append(f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>")
+        for r in c["layers"]:
+            parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
+                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
+        parts.append("</table>")
+    parts.append("</body></html>")
+    (out / "index.html").write_text("\n".join(parts))
+    return out / "index.html"

@@ -1,0 +1,328 @@
+"""Score device gradients against the float64 oracle, per parameter and per layer, with a verdict.
+
+Inputs: one oracle bundle, captures (full gradients, or norm-only bundles), and optionally
+emulation bundles (``oracle replay --dtype amp-bf16 --ensemble K``) that give the noise band.
+
+Everything starts with a fingerprint check: a capture must hold the same inputs and weights as the
+oracle (value_sha256 of every tensor); otherwise it is a different step and scoring it against
+this truth would be meaningless, so it is refused (MismatchError) with the differing tensors named.
+
+Per parameter p of capture c (formulas in metrics.py):
+    e(p)       = rel_l2 = ||g - t|| / ||t||          (norm-only captures: e = |norm_ratio - 1|)
+    band(p)    = max(max_k e_k(p), floor)            e_k = the same metric for emulated member k;
+                 without a band: the tolerance table's ``expected`` for c's precision
+    excess(p)  = e(p) / band(p)
+    class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
+Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
+over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
+
+Verdict of a capture: its class (worst over layers), excess (max over layers), worst layer, and
+    onset        the first layer, walking from the loss end, that is beyond noise; with how many of
+                 the layers after it stay beyond and the largest excess they reach;
+    global_scale c = <g, t> / <g, g> over all parameters; when c != 1 beyond the band and
+                 ||c g - t|| / ||t|| falls back within it, the difference is a global scale: loss
+                 scaling or normalisation (token count, 1/N) mismatch, not an arithmetic error.
+With several captures, per layer and overall: which one is closer to the truth.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from . import recipe as recipes
+from .bundle import Bundle
+from .certify import FD_WARN
+from .errors import BundleError, MismatchError, RecipeError
+from .metrics import aggregate, global_scale, tensor_metrics
+from .replay import fingerprint, member_groups
+from .tolerance import MARGIN, table
+
+WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
+
+
+# -- inputs -----------------------------------------------------------------------------------
+def check_same_step(oracle: Bundle, other: Bundle, label: str) -> None:
+    if other.kind == "norms":
+        return  # a norm log carries no tensors to fingerprint
+    a, b = fingerprint(oracle), fingerprint(other)
+    problems = []
+    for group in ("inputs", "weights"):
+        ga, gb = a.get(group, {}), b.get(group, {})
+        for n in sorted(set(ga) | set(gb)):
+            if n not in gb:
+                problems.append(f"{group}/{n}: missing from {label}")
+            elif n not in ga:
+                problems.append(f"{group}/{n}: not in the oracle")
+            elif ga[n] != gb[n]:
+                problems.append(f"{group}/{n}: values differ")
+    if problems:
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise MismatchError(
+            f"{label} ({other.path}) is not the step the oracle replays; {len(problems)} tensor(s) differ:\n  "
+            + "\n  ".join(problems[:12]) + more
+            + "\nCapture both from the same weights and inputs, or replay this capture to get its own oracle."
+        )
+
+
+def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
+    rec = (oracle.get("recipe") or {}).get("name")
+    if rec:
+        try:
+            return recipes.get(rec).layers(names, oracle.manifest["recipe"].get("config", {}))
+        except RecipeError:
+            pass
+    return fallback_layers(names)
+
+
+def fallback_layers(names: list[str]) -> list[tuple[str, list[str]]]:
+    """No recipe: a layer is the name up to its first index (``...layers.3``), else its module;
+    the backward order is taken as the reverse of registration order."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*?\.\d+)\.", n)
+        label = m[1] if m else n.rsplit(".", 1)[0]
+        groups.setdefault(label, []).append(n)
+    return list(reversed(list(groups.items())))
+
+
+def _pick_band(bands: list[Bundle], precision: str | None) -> Bundle | None:
+    same = [b for b in bands if b.get("precision") == precision]
+    if same:
+        return same[0]
+    return bands[0] if len(bands) == 1 else None
+
+
+def _short(param: str, layer: str) -> str:
+    """The part of a parameter name below its layer: ``mlp.down_proj.weight``."""
+    i = param.find(layer + ".")
+    return param[i + len(layer) + 1 :] if i >= 0 else param
+
+
+# -- scoring ----------------------------------------------------------------------------------
+def score(
+    oracle_path: str | Path,
+    capture_paths: list[str | Path],
+    *,
+    band_paths: list[str | Path] = (),
+    margin: float = MARGIN,
+    tol_overrides: dict[str, dict[str, float]] | None = None,
+    names: list[str] | None = None,
+) -> dict[str, Any]:
+    oracle = Bundle(oracle_path)
+    if oracle.kind != "oracle":
+        raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
+    caps = [Bundle(p) for p in capture_paths]
+    bands = [Bundle(p) for p in band_paths]
+    for b in bands:
+        if b.kind != "emulation":
+            raise BundleError(f"--band {b.path} is a {b.kind} bundle; a band comes from `oracle replay --dtype bf16 --ensemble K`")
+    labels = list(names) if names else _default_names(caps)
+    for c, lab in zip(caps, labels):
+        check_same_step(oracle, c, lab)
+    for b in bands:
+        check_same_step(oracle, b, f"band {b.path.name}")
+
+    tol = table(tol_overrides)
+    pnames = oracle.names("grads")
+    layers = _layers(oracle, pnames)
+    layer_of = {p: lab for lab, ps in layers for p in ps}
+
+    plans = []
+    for c, lab in zip(caps, labels):
+        prec = c.get("precision") or "unknown"
+        band = _pick_band(bands, prec)
+        tolrow = tol.get(prec, tol["unknown"])
+        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow,
+                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}})  # fmt: skip
+    band_cache: dict[str, list[dict[str, float]]] = {}
+
+    # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
+    for p in pnames:
+        t = oracle.load("grads", p)
+        for b in bands:
+            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in member_groups(b) if p in b.names(g)]
+        for plan in plans:
+            c = plan["bundle"]
+            if plan["norms"] is not None:
+                if p in plan["norms"]:
+                    plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
+            elif p in c.names("grads"):
+                plan["rows"][p] = tensor_metrics(c.load("grads", p), t)
+            if plan["band"] is not None:
+                plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
+        del t
+
+    result_caps = [_score_capture(plan, layers, layer_of, margin) for plan in plans]
+    out = {
+        "oracle": _oracle_info(oracle),
+        "margin": margin,
+        "tolerances": tol,
+        "captures": result_caps,
+        "comparison": _compare(result_caps, layers) if len(result_caps) > 1 else None,
+        "layer_order": [lab for lab, _ in layers],
+    }
+    out["summary"] = _summary(out)
+    return out
+
+
+def _default_names(caps: list[Bundle]) -> list[str]:
+    names = [c.path.name for c in caps]
+    return [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _norm_row(norm: float, ref: float) -> dict[str, float]:
+    ratio = norm / ref if ref else (1.0 if norm == 0 else math.inf)
+    return {"norm": norm, "ref_norm": ref, "norm_ratio": ratio, "nonfinite": int(not math.isfinite(norm))}
+
+
+def _metric(row: dict[str, float], norms_only: bool) -> float:
+    return abs(row["norm_ratio"] - 1.0) if norms_only else row["rel_l2"]
+
+
+def _classify(err: float, band: float, nonfinite: int, margin: float) -> tuple[float, str]:
+    excess = err / band if band > 0 else (0.0 if err == 0 else math.inf)
+    if nonfinite:
+        return excess, NONFINITE
+    return excess, BEYOND if excess > margin else WITHIN
+
+
+def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict[str, float]) -> float:
+    if member_rows:
+        return max(max(_metric(r, norms_only) for r in member_rows), tol["floor"])
+    return tol["expected"]
+
+
+def _score_capture(plan: dict, layers, layer_of, margin: float) -> dict[str, Any]:
+    c: Bundle = plan["bundle"]
+    norms_only = plan["norms"] is not None
+    rows, band_rows, tol = plan["rows"], plan["band_rows"], plan["tol"]
+    params = []
+    for p, r in rows.items():
+        err = _metric(r, norms_only)
+        band = _band_value(band_rows.get(p, []), norms_only, tol)
+        excess, cls = _classify(err, band, int(r["nonfinite"]), margin)
+        row = {"name": p, "layer": layer_of.get(p, "other"), "band": band, "excess": excess, "class": cls}
+        keys = ("norm_ratio", "norm", "ref_norm", "nonfinite") if norms_only else (
+            "rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
+        row.update({k: r[k] for k in keys})
+        params.append(row)
+    by_name = {r["name"]: r for r in params}
+
+    layer_rows = []
+    for lab, ps in layers:
+        present = [p for p in ps if p in rows]
+        if not present:
+            continue
+        if norms_only:
+            err = max(_metric(rows[p], True) for p in present)  # no exact aggregate of norms: worst
+            members = [max(_metric(band_rows[p][k], True) for p in present) for k in range(len(band_rows.get(present[0], [])))]
+            agg = {"nonfinite": sum(rows[p]["nonfinite"] for p in present)}
+        else:
+            agg = aggregate([rows[p] for p in present])
+            err = agg["rel_l2"]
+            k_members = len(band_rows.get(present[0], []))
+            members = [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
+        band = max(max(members), tol["floor"]) if members else tol["expected"]
+        band_low = min(members) if members else band
+        excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
+        worst = max(present, key=lambda p: by_name[p]["excess"])
+        layer_rows.append({"name": lab, "rel_l2" if not norms_only else "norm_dev": err, "band": band, "band_low": band_low,
+                           "excess": excess, "class": cls, "worst_param": worst,
+                           "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
+
+    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only)
+    loss = c.get("loss") or {}
+    return {
+        "name": plan["name"], "path": str(c.path), "kind": c.kind, "precision": plan["precision"],
+        "norms_only": norms_only, "loss": loss.get("value"),
+        "band_source": str(plan["band"].path) if plan["band"] is not None else None,
+        "band_kind": ("emulated " + plan["band"].get("precision") + f" x{plan['band'].get('members', 1)}")
+        if plan["band"] is not None else f"tolerance table ({plan['precision']})",
+        "params": params, "layers": layer_rows, "verdict": verdict,
+    }  # fmt: skip
+
+
+def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, Any]:
+    name, prec = plan["name"], plan["precision"]
+    if not layer_rows:
+        return {"class": WITHIN, "excess": 0.0, "worst_layer": None, "onset": None, "global_scale": None,
+                "text": f"{name} ({prec}): no parameter in common with the oracle"}  # fmt: skip
+    nonfinite = [p["name"] for p in params if p["nonfinite"]]
+    worst = max(layer_rows, key=lambda r: r["excess"])
+    key = "norm_dev" if norms_only else "rel_l2"
+    onset = None
+    for i, lr in enumerate(layer_rows):
+        if lr["class"] != WITHIN:
+            after = layer_rows[i + 1 :]
+            peak = max([lr] + after, key=lambda r: r["excess"])
+            onset = {
+                "layer": lr["name"], "param": _short(lr["worst_param"], lr["name"]), "excess": lr["excess"],
+                "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
+                "peak_layer": peak["name"], "peak_excess": peak["excess"],
+            }  # fmt: skip
+            break
+    gs = None
+    if not norms_only and rows:
+        agg = aggregate(list(rows.values()))
+        c_star, resid = global_scale(agg)
+        overall_band = max(r["band"] for r in layer_rows)
+        explained = agg["rel_l2"] > margin * overall_band and resid <= margin * overall_band
+        gs = {"c": c_star, "rel_l2": agg["rel_l2"], "residual_after_scaling": resid, "explains": explained}
+    cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
+    what = "norm deviation" if norms_only else "rel L2"
+    if cls == NONFINITE:
+        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), first {nonfinite[0]}"
+    elif cls == WITHIN:
+        text = (f"{name} ({prec}): within noise; worst layer {worst['name']} at {what} {worst[key]:.2e}"
+                f" = {worst['excess']:.2f}x its band")  # fmt: skip
+    else:
+        o = onset
+        text = (f"{name} ({prec}): BEYOND NOISE; leaves the band at {o['layer']} ({o['param']}, {o['excess']:.1f}x)"
+                f", {o['stays_out']}/{o['after']} layers after stay out, peak {o['peak_excess']:.1f}x at {o['peak_layer']}")  # fmt: skip
+    if gs and gs["explains"]:
+        text += f"; loss scaling / normalisation mismatch, c = {gs['c']:.6g} (after scaling: {gs['residual_after_scaling']:.2e})"
+    if norms_only:
+        text += " [norm-only capture: scored on norm ratio alone]"
+    return {"class": cls, "excess": worst["excess"], "worst_layer": worst["name"],
+            "worst_rel_l2": worst[key], "onset": onset, "global_scale": gs, "text": text}  # fmt: skip
+
+
+def _compare(caps: list[dict], layers) -> dict[str, Any]:
+    key = lambda c: "norm_dev" if c["norms_only"] else "rel_l2"  # noqa: E731
+    per_layer = []
+    for lab, _ in layers:
+        vals = {c["name"]: r[key(c)] for c in caps for r in c["layers"] if r["name"] == lab}
+        if len(vals) > 1:
+            per_layer.append({"layer": lab, "closest": min(vals, key=vals.get), "errors": vals})
+    overall = {c["name"]: c["verdict"].get("worst_rel_l2") for c in caps}
+    wins = {c["name"]: sum(1 for r in per_layer if r["closest"] == c["name"]) for c in caps}
+    return {"per_layer": per_layer, "layers_won": wins, "closest_overall": max(wins, key=wins.get) if wins else None,
+            "worst_layer_error": overall}  # fmt: skip
+
+
+def _oracle_info(oracle: Bundle) -> dict[str, Any]:
+    cert = oracle.get("certificate")
+    warn = None
+    if cert is None:
+        warn = "the oracle is uncertified (replayed with --no-verify): its gradient was not checked by finite differences"
+    elif cert["fd_rel_residual"] > FD_WARN:
+        warn = f"the oracle's finite-difference residual {cert['fd_rel_residual']:.1e} exceeds {FD_WARN:.0e}: do not trust it"
+    return {
+        "path": str(oracle.path), "precision": oracle.get("precision"), "loss": (oracle.get("loss") or {}).get("value"),
+        "certificate": cert, "numerics": oracle.get("numerics"), "warning": warn,
+        "source_precision": (oracle.get("source") or {}).get("precision"),
+    }  # fmt: skip
+
+
+def _summary(out: dict[str, Any]) -> str:
+    lines = [c["verdict"]["text"] for c in out["captures"]]
+    cmp = out.get("comparison")
+    if cmp and cmp["per_layer"]:
+        won = ", ".join(f"{n} {k}/{len(cmp['per_layer'])}" for n, k in cmp["layers_won"].items())
+        lines.append(f"closer to the truth, layers won: {won}; overall closest: {cmp['closest_overall']}")
+    if out["oracle"]["warning"]:
+        lines.append("WARNING: " + out["oracle"]["warning"])
+    return "\n".join(lines)

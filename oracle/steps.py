@@ -1,0 +1,87 @@
+"""Running one step of a recipe's model: on a device for a capture, on CPU for a replay."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from .capture import Capture
+from .numerics import PrecisionMode
+from .precision import policy
+from .recipe import ModelSource, Recipe
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    recipe: Recipe,
+    config: Mapping[str, Any],
+    weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    mode: PrecisionMode | None = None,
+) -> nn.Module:
+    """Build the recipe's module in ``dtype`` and copy ``weights`` in (upcasts are exact).
+
+    With a ``mode`` the module is built inside it, so that buffers computed at init (rotary
+    frequencies) are computed in the mode's compute dtype too.
+    """
+    with default_dtype(dtype), (mode or contextlib.nullcontext()):
+        model = recipe.build(dict(config))
+    model = model.to(dtype)
+    model.eval()  # no dropout: a step must be reproducible
+    get = weights.__getitem__ if isinstance(weights, Mapping) else weights
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(get(name).to(dtype))
+    return model
+
+
+def capture_recipe_step(
+    source: ModelSource,
+    sample: dict[str, Any],
+    out: str,
+    *,
+    precision: str = "fp32",
+    device: str = "cpu",
+    reduction: str = "mean",
+    seed: int = 0,
+    overwrite: bool = False,
+    instrument: Callable[[nn.Module], Any] | None = None,
+) -> str:
+    """Capture one step of ``source`` on ``device`` under ``precision`` into a bundle at ``out``.
+
+    ``instrument(model)`` runs after the model is built and before the step (tests plant faults
+    with it; users can attach their own hooks).
+    """
+    torch.manual_seed(seed)
+    pol = policy(precision)
+    recipe = source.recipe
+    model = build_model(recipe, source.config, source.weights, pol.param_dtype)
+    inputs = recipe.prepare_inputs(source, model, sample)
+    dev = torch.device(device)
+    model.to(dev)
+    if instrument is not None:
+        instrument(model)
+    inputs = {k: v.to(dev) for k, v in inputs.items()}
+    model.zero_grad(set_to_none=True)
+    with Capture(
+        model, out, precision=precision, recipe=recipe.name, model_config=source.config, seed=seed,
+        overwrite=overwrite, metadata={"model": source.origin},
+    ) as cap:
+        with pol.autocast(dev.type):
+            loss, n_tokens = recipe.forward_loss(model, inputs, reduction)
+        cap.add_inputs(**{k: v for k, v in inputs.items() if k not in cap.inputs})
+        cap.set_loss(loss, reduction=reduction, num_tokens=n_tokens)
+        loss.backward()
+    return out

@@ -1,0 +1,117 @@
+"""Qwen3-VL (transformers' ``Qwen3VLForConditionalGeneration``): build, load, prepare, order."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from oracle.errors import RecipeError
+from oracle.loss import causal_lm_loss
+from oracle.recipe import ModelSource, Recipe, register
+from oracle.weights import SafetensorsDir
+
+from . import flavors
+from oracle.samples import read_sample
+
+from .inputs import build_inputs
+
+_LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
+_BLOCK = re.compile(r"^model\.visual\.blocks\.(\d+)\.")
+_DEEP = re.compile(r"^model\.visual\.deepstack_merger_list\.(\d+)\.")
+SAMPLE = Path(__file__).with_name("sample.jsonl")
+
+
+@register
+class Qwen3VLRecipe(Recipe):
+    name = "qwen3-vl"
+    embedded = tuple(flavors.FLAVORS)
+
+    def accepts(self, hf_config: dict[str, Any]) -> bool:
+        return hf_config.get("model_type") == "qwen3_vl"
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        cfg = Qwen3VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        cfg._attn_implementation = "sdpa"
+        return Qwen3VLForConditionalGeneration(cfg)
+
+    def load(self, spec: str) -> ModelSource:
+        if spec in flavors.FLAVORS:
+            config = json.loads(json.dumps(flavors.FLAVORS[spec]))
+            weights = flavors.tiny_weights(self.build, config)
+            return ModelSource(self, config, weights, origin=f"embedded:{spec}", extra={
+                "tokenizer": flavors.tiny_tokenizer(), "image_processor": flavors.tiny_image_processor(),
+                "special_ids": flavors.SPECIAL_IDS})  # fmt: skip
+        return self._load_dir(Path(spec))
+
+    def _load_dir(self, path: Path) -> ModelSource:
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        config = json.loads((path / "config.json").read_text())
+        weights = SafetensorsDir(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # The PIL image processor needs no torchvision; it computes what the fast one does.
+            image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise RecipeError(f"{path}: cannot load the tokenizer / image processor ({e})") from e
+        specials = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in flavors.SPECIALS}
+        missing = [t for t, i in specials.items() if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise RecipeError(f"{path}: the tokenizer lacks Qwen's special tokens {missing}")
+        return ModelSource(self, config, weights, origin=str(path), extra={
+            "tokenizer": tokenizer, "image_processor": image_processor, "special_ids": specials})  # fmt: skip
+
+    def default_sample(self) -> dict[str, Any]:
+        return read_sample(str(SAMPLE))
+
+    def prepare_inputs(self, source: ModelSource, model: nn.Module, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        x = source.extra
+        return build_inputs(sample, x["tokenizer"], x["image_processor"], model, x["special_ids"])
+
+    def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
+        model_inputs = {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids") if k in inputs}
+        logits = model(**model_inputs).logits  # (1, T, V)
+        return causal_lm_loss(logits, inputs["labels"], reduction)
+
+    def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
+        """Backward order: lm_head, final norm, decoder layers last to first, embeddings, then the
+        vision tower from its merger back to the patch embedding (deepstack mergers before the
+        blocks they read from)."""
+
+        def key(name: str) -> tuple[tuple[int, int], str]:
+            if name.startswith("lm_head."):
+                return (0, 0), "lm_head"
+            if name.startswith("model.language_model.norm."):
+                return (1, 0), "norm"
+            if m := _LAYER.match(name):
+                i = int(m[1])
+                return (2, -i), f"layers.{i}"
+            if name.startswith("model.language_model.embed_tokens."):
+                return (3, 0), "embed_tokens"
+            if name.startswith("model.visual.merger."):
+                return (4, 0), "visual.merger"
+            if m := _DEEP.match(name):
+                j = int(m[1])
+                return (5, -j), f"visual.deepstack_merger_list.{j}"
+            if m := _BLOCK.match(name):
+                i = int(m[1])
+                return (6, -i), f"visual.blocks.{i}"
+            if name.startswith("model.visual.pos_embed."):
+                return (7, 0), "visual.pos_embed"
+            if name.startswith("model.visual.patch_embed."):
+                return (8, 0), "visual.patch_embed"
+            return (9, 0), "other"
+
+        groups: dict[str, tuple[tuple[int, int], list[str]]] = {}
+        for n in names:
+            k, label = key(n)
+            groups.setdefault(label, (k, []))[1].append(n)
+        return [(label, ns) for label, (k, ns) in sorted(groups.items(), key=lambda kv: kv[1][0])]
