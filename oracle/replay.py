@@ -76,12 +76,19 @@ def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None) -> tuple[t
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed)
     torch.manual_seed(0)
-    with mode:
-        loss, _ = recipe.forward_loss(model, inputs, reduction)
-        if round_to is None:
-            assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
-        loss.backward()
+    order: list[str] = []  # the order gradients are completed in: the true backward order
+    hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
+    try:
+        with mode:
+            loss, _ = recipe.forward_loss(model, inputs, reduction)
+            if round_to is None:
+                assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
     mode.promotions += build_mode.promotions
+    mode.backward_order = order
     return model, inputs, float(loss.item()), mode
 
 
@@ -131,6 +138,7 @@ def replay(
             w.manifest.update(
                 loss={**(cap.get("loss") or {}), "value": loss},
                 numerics={"compute": "float64", "promotions": mode.promotions},
+                backward_order=mode.backward_order,
                 certificate=cert,
                 seconds=round(time.perf_counter() - t0, 3),
             )

@@ -155,7 +155,8 @@ def score(
                 plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
         del t
 
-    result_caps = [_score_capture(plan, layers, layer_of, margin) for plan in plans]
+    rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
+    result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
     out = {
         "oracle": _oracle_info(oracle),
         "margin": margin,
@@ -195,7 +196,7 @@ def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict
     return tol["expected"]
 
 
-def _score_capture(plan: dict, layers, layer_of, margin: float) -> dict[str, Any]:
+def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, int]) -> dict[str, Any]:
     c: Bundle = plan["bundle"]
     norms_only = plan["norms"] is not None
     rows, band_rows, tol = plan["rows"], plan["band_rows"], plan["tol"]
@@ -229,8 +230,12 @@ def _score_capture(plan: dict, layers, layer_of, margin: float) -> dict[str, Any
         band_low = min(members) if members else band
         excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
         worst = max(present, key=lambda p: by_name[p]["excess"])
+        # where in the layer the error is born: the first beyond-noise parameter whose gradient
+        # the backward completed (the oracle's recorded order), else the worst one
+        out_of_band = [p for p in present if by_name[p]["class"] != WITHIN]
+        first = min(out_of_band, key=lambda p: rank.get(p, len(rank))) if out_of_band and rank else worst
         layer_rows.append({"name": lab, "rel_l2" if not norms_only else "norm_dev": err, "band": band, "band_low": band_low,
-                           "excess": excess, "class": cls, "worst_param": worst,
+                           "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
                            "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
 
     verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only)
@@ -259,7 +264,7 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, An
             after = layer_rows[i + 1 :]
             peak = max([lr] + after, key=lambda r: r["excess"])
             onset = {
-                "layer": lr["name"], "param": _short(lr["worst_param"], lr["name"]), "excess": lr["excess"],
+                "layer": lr["name"], "param": _short(lr["first_param"], lr["name"]), "excess": lr["excess"],
                 "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
                 "peak_layer": peak["name"], "peak_excess": peak["excess"],
             }  # fmt: skip

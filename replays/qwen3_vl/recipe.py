@@ -39,6 +39,7 @@ class Qwen3VLRecipe(Recipe):
 
         cfg = Qwen3VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
         cfg._attn_implementation = "sdpa"
+        cfg.text_config.use_cache = False  # a training step: no KV cache
         return Qwen3VLForConditionalGeneration(cfg)
 
     def load(self, spec: str) -> ModelSource:

@@ -1,0 +1,78 @@
+"""Shared fixtures: one tiny Qwen3-VL step captured in several ways, replayed once.
+
+Everything session-scoped is built lazily and written under pytest's tmp_path_factory only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import recipe as recipes
+from oracle.replay import replay
+from oracle.steps import capture_recipe_step
+
+MODEL = "tiny-qwen3-vl"
+
+
+@pytest.fixture(scope="session")
+def source():
+    r = recipes.for_model(MODEL)
+    return r.load(MODEL)
+
+
+@pytest.fixture(scope="session")
+def sample(source):
+    return source.recipe.default_sample()
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("bundles")
+
+
+@pytest.fixture(scope="session")
+def make_capture(source, sample, root):
+    """make_capture(name, precision, instrument=None) -> path; cached per name."""
+    cache = {}
+
+    def make(name: str, precision: str = "fp32", instrument=None):
+        if name not in cache:
+            cache[name] = capture_recipe_step(source, sample, str(root / name), precision=precision, instrument=instrument)
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def fp32_capture(make_capture):
+    return make_capture("fp32", "fp32")
+
+
+@pytest.fixture(scope="session")
+def amp_capture(make_capture):
+    return make_capture("amp-bf16", "amp-bf16")
+
+
+@pytest.fixture(scope="session")
+def oracle_bundle(fp32_capture, root):
+    return str(replay(fp32_capture, root / "oracle", dtype="fp64"))
+
+
+@pytest.fixture(scope="session")
+def band(fp32_capture, root):
+    """band(precision) -> emulation bundle with 3 members, cached."""
+    cache = {}
+
+    def make(precision: str):
+        if precision not in cache:
+            cache[precision] = str(replay(fp32_capture, root / f"band-{precision}", dtype=precision, ensemble=3))
+        return cache[precision]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

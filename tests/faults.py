@@ -1,0 +1,62 @@
+"""Faults planted in the tiny Qwen3-VL from test code, through ``instrument(model)`` hooks.
+
+Each is a backward-side fault: the forward (and so the loss) is untouched, the gradients from the
+planted module upstream are wrong -- the symptom of the original report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _straight_through(correct: torch.Tensor, wrong: torch.Tensor) -> torch.Tensor:
+    """Forward value of ``correct``, backward of ``wrong``."""
+    return correct.detach() + (wrong - wrong.detach())
+
+
+def scale_grad(path: str, factor: float):
+    """Scale the gradient arriving at module ``path`` (its grad_output) by ``factor``."""
+
+    def instrument(model):
+        mod = model.get_submodule(path)
+        mod.register_full_backward_pre_hook(lambda m, go: tuple(g * factor if g is not None else g for g in go))
+
+    return instrument
+
+
+def wrong_mask_backward(layer: int):
+    """Decoder layer ``layer``'s attention backward sees a mask that leaks one future token."""
+
+    def instrument(model):
+        attn = model.model.language_model.layers[layer].self_attn
+
+        def hook(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            t = hidden.shape[1]
+            allowed = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril(diagonal=1)
+            mask = torch.zeros(1, 1, t, t, dtype=hidden.dtype, device=hidden.device).masked_fill(~allowed, float("-inf"))
+            kw = {k: (None if k in ("cache", "past_key_values") else v) for k, v in kwargs.items()}
+            kw["attention_mask"] = mask
+            wrong = module.forward(*args, **kw)[0]
+            return (_straight_through(output[0], wrong),) + tuple(output[1:])
+
+        attn.register_forward_hook(hook, with_kwargs=True)
+
+    return instrument
+
+
+def lowp_norm_backward(layer: int, dtype=torch.bfloat16):
+    """Decoder layer ``layer``'s post-attention RMSNorm runs its backward in ``dtype``."""
+
+    def instrument(model):
+        norm = model.model.language_model.layers[layer].post_attention_layernorm
+
+        def hook(module, args, output):
+            x = args[0].to(dtype)
+            w = module.weight.to(dtype)
+            low = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+            return _straight_through(output, low.to(output.dtype))
+
+        norm.register_forward_hook(hook)
+
+    return instrument

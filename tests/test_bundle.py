@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+
+from oracle.bundle import Bundle, BundleWriter, value_sha256
+from oracle.errors import BundleError, InputNotFound, OutputExists
+
+
+def _write(path, **kw):
+    with BundleWriter(path, "capture", **kw) as w:
+        w.manifest["loss"] = {"value": 1.5}
+        w.add("grads", {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)})
+        w.add("inputs", {"ids": torch.tensor([[1, 2, 3]])})
+    return path
+
+
+def test_round_trip_keeps_values_dtypes_and_metadata(tmp_path):
+    b = Bundle(_write(tmp_path / "b"))
+    assert b.kind == "capture" and b.get("loss") == {"value": 1.5}
+    assert b.load("grads", "b").dtype == torch.bfloat16
+    assert torch.equal(b.load("grads", "a"), torch.arange(6, dtype=torch.float32).view(2, 3))
+    assert b.names("inputs") == ["ids"]
+
+
+def test_value_hash_is_dtype_independent_but_value_sensitive():
+    x = torch.randn(5).to(torch.bfloat16)
+    assert value_sha256(x) == value_sha256(x.float()) == value_sha256(x.double())
+    assert value_sha256(x.float()) != value_sha256(x.float() + 1e-3)
+
+
+def test_corrupted_tensor_bytes_are_detected(tmp_path):
+    p = _write(tmp_path / "b")
+    f = p / "grads.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF  # flip bits in the last tensor's data
+    f.write_bytes(bytes(raw))
+    b = Bundle(p)
+    with pytest.raises(BundleError, match="does not match its sha256"):
+        b.load_group("grads")
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with BundleWriter(tmp_path / "b", "capture") as w:
+            w.add("grads", {"a": torch.ones(2)})
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_refused_and_non_bundles_never_replaced(tmp_path):
+    p = _write(tmp_path / "b")
+    with pytest.raises(OutputExists, match="--overwrite"):
+        _write(p)
+    _write(p, overwrite=True)  # a bundle may be replaced when asked
+    other = tmp_path / "mydata"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep")
+    with pytest.raises(OutputExists, match="not a bundle"):
+        _write(other, overwrite=True)
+    assert (other / "precious.txt").read_text() == "keep"
+
+
+def test_manifest_problems_are_named(tmp_path):
+    with pytest.raises(InputNotFound):
+        Bundle(tmp_path / "nope")
+    p = _write(tmp_path / "b")
+    m = json.loads((p / "manifest.json").read_text())
+    m["tensors"]["grads"]["a"]["file"] = "../escape.safetensors"
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="bad file name"):
+        Bundle(p)
+    m["schema_version"] = 99
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="schema_version 99 is not supported"):
+        Bundle(p)
+    (p / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        Bundle(p)

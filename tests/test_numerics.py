@@ -1,0 +1,61 @@
+import torch
+
+from oracle.numerics import PrecisionMode
+
+
+def test_float64_mode_promotes_casts_that_model_code_makes():
+    """An RMSNorm written as hidden.to(float32) stays float64 inside the mode (and is counted)."""
+    x = torch.randn(4, 8, dtype=torch.float64) * 3 + 1
+
+    def rmsnorm(h):
+        h32 = h.to(torch.float32)
+        return h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    mode = PrecisionMode(torch.float64)
+    with mode:
+        y = rmsnorm(x)
+    assert y.dtype == torch.float64
+    assert torch.equal(y, exact)
+    assert mode.promotions >= 1
+    assert not torch.equal(rmsnorm(x).double(), exact)  # without the mode the truth is rounded
+
+
+def test_float64_mode_covers_factories_and_backward():
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    with PrecisionMode(torch.float64):
+        ones = torch.ones(3, dtype=torch.float32)
+        loss = (w.float() @ ones).sum()
+        loss.backward()
+    assert ones.dtype == torch.float64 and loss.dtype == torch.float64 and w.grad.dtype == torch.float64
+
+
+def test_bf16_rounding_mode_rounds_operands_and_results():
+    a = torch.randn(16, 16)
+    b = torch.randn(16, 16)
+    with PrecisionMode(torch.float32, torch.bfloat16, "all"):
+        c = a @ b
+    assert c.dtype == torch.float32
+    assert torch.equal(c, c.to(torch.bfloat16).float())  # result is bf16-representable
+    ref = (a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+    assert torch.equal(c, ref)  # operands rounded before the fp32 GEMM
+
+
+def test_amp_mode_leaves_elementwise_ops_in_fp32():
+    a = torch.randn(64) + 0.1
+    with PrecisionMode(torch.float32, torch.bfloat16, "amp"):
+        y = a.exp()
+    assert torch.equal(y, a.exp())
+
+
+def test_jitter_members_differ_but_keep_exact_values():
+    x = torch.randn(10000)
+    ints = torch.arange(100, dtype=torch.float32)
+    outs = []
+    for seed in (None, 1, 2):
+        with PrecisionMode(torch.float32, torch.bfloat16, "all", jitter_seed=seed):
+            outs.append((x * 1.0, ints * 1.0))
+    assert not torch.equal(outs[1][0], outs[2][0])
+    rel = ((outs[1][0] - x).abs() / x.abs()).max()
+    assert rel <= 0.75 * 2**-7 + 1e-9  # each rounding stays below 3/4 ulp of bf16
+    assert all(torch.equal(o[1], ints) for o in outs)  # integers are never moved

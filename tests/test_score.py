@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+
+from faults import lowp_norm_backward, scale_grad, wrong_mask_backward
+from helpers import rewrite_grads
+from oracle.bundle import Bundle, BundleWriter
+from oracle.errors import MismatchError
+from oracle.score import score
+from oracle.steps import capture_recipe_step
+
+
+def _cap(result, i=0):
+    return result["captures"][i]
+
+
+def test_identical_gradients_score_zero(oracle_bundle):
+    r = score(oracle_bundle, [oracle_bundle])
+    c = _cap(r)
+    assert all(p["rel_l2"] == 0.0 and p["cosine"] == pytest.approx(1.0) and p["max_abs"] == 0.0 for p in c["params"])
+    assert c["verdict"]["class"] == "within_noise" and c["verdict"]["onset"] is None
+
+
+def test_a_5_percent_error_in_one_parameter_is_reported_worst(fp32_capture, oracle_bundle, band, tmp_path):
+    target = "model.language_model.layers.2.mlp.up_proj.weight"
+    bad = rewrite_grads(fp32_capture, str(tmp_path / "bad"), lambda n, g: g * 1.05 if n == target else g)
+    c = _cap(score(oracle_bundle, [bad], band_paths=[band("fp32")]))
+    worst = max(c["params"], key=lambda p: p["excess"])
+    assert worst["name"] == target and worst["class"] == "beyond_noise"
+    assert worst["rel_l2"] == pytest.approx(0.05, rel=1e-3)
+    assert c["verdict"]["onset"]["layer"] == "layers.2"
+
+
+def test_a_different_step_is_refused_with_the_tensors_named(oracle_bundle, source, sample, tmp_path):
+    other_sample = dict(sample, messages=[*sample["messages"][:-1], {"role": "assistant", "content": "Something else."}])
+    other = capture_recipe_step(source, other_sample, str(tmp_path / "other"))
+    with pytest.raises(MismatchError, match=r"inputs/input_ids: values differ") as e:
+        score(oracle_bundle, [other])
+    assert "inputs/labels" in str(e.value)
+    shifted = dict(source.weights)
+    shifted["lm_head.weight"] = shifted["lm_head.weight"] * 2
+    src2 = type(source)(source.recipe, source.config, shifted, "test", source.extra)
+    other_w = capture_recipe_step(src2, sample, str(tmp_path / "other_w"))
+    with pytest.raises(MismatchError, match=r"weights/lm_head.weight: values differ"):
+        score(oracle_bundle, [other_w])
+
+
+def test_honest_amp_bf16_is_within_its_measured_band(amp_capture, oracle_bundle, band):
+    c = _cap(score(oracle_bundle, [amp_capture], band_paths=[band("amp-bf16")]))
+    assert c["band_kind"].startswith("emulated amp-bf16")
+    assert c["verdict"]["class"] == "within_noise", c["verdict"]["text"]
+    assert 0.05 < c["verdict"]["excess"] < 3  # a real error, of the band's size
+
+
+PLANTS = [
+    ("grad-scaled-decoder-layer", scale_grad("model.language_model.layers.2.mlp", 1.02), "layers.2", "mlp"),
+    ("wrong-mask-attention-backward", wrong_mask_backward(1), "layers.1", "self_attn"),
+    ("rmsnorm-backward-in-bf16", lowp_norm_backward(2), "layers.2", "post_attention_layernorm"),
+    ("vit-block-fault", scale_grad("model.visual.blocks.1.mlp", 1.02), "visual.blocks.1", "mlp."),
+]
+
+
+@pytest.mark.parametrize("name,instrument,layer,module", PLANTS, ids=[p[0] for p in PLANTS])
+def test_planted_fault_onset_is_found_at_the_right_layer(name, instrument, layer, module, make_capture, oracle_bundle, band):
+    cap = make_capture(name, "fp32", instrument)
+    assert Bundle(cap).get("loss")["value"] == Bundle(oracle_bundle).get("captured_loss")["value"]  # forward untouched
+    c = _cap(score(oracle_bundle, [cap], band_paths=[band("fp32")]))
+    v = c["verdict"]
+    assert v["class"] == "beyond_noise", v["text"]
+    assert v["onset"]["layer"] == layer, v["text"]
+    assert v["onset"]["param"].startswith(module), v["text"]
+    order = [lr["name"] for lr in c["layers"]]
+    before = order[: order.index(layer)]
+    assert all(lr["class"] == "within_noise" for lr in c["layers"] if lr["name"] in before)
+
+
+def test_global_scale_mismatch_is_diagnosed(fp32_capture, oracle_bundle, band, tmp_path):
+    n = 8.0
+    scaled = rewrite_grads(fp32_capture, str(tmp_path / "scaled"), lambda _, g: g / n)
+    v = _cap(score(oracle_bundle, [scaled], band_paths=[band("fp32")]))["verdict"]
+    assert v["class"] == "beyond_noise"
+    assert v["global_scale"]["explains"] and v["global_scale"]["c"] == pytest.approx(n, rel=1e-5)
+    assert "loss scaling / normalisation mismatch, c = 8" in v["text"]
+
+
+def test_planted_fault_is_not_mistaken_for_a_global_scale(make_capture, oracle_bundle, band):
+    cap = make_capture("grad-scaled-decoder-layer", "fp32", PLANTS[0][1])
+    v = _cap(score(oracle_bundle, [cap], band_paths=[band("fp32")]))["verdict"]
+    assert not v["global_scale"]["explains"]
+
+
+def test_non_finite_gradients_are_counted_and_classed(fp32_capture, oracle_bundle, tmp_path):
+    def poison(n, g):
+        if n == "lm_head.weight":
+            g = g.clone()
+            g[0, 0] = float("nan")
+        return g
+
+    bad = rewrite_grads(fp32_capture, str(tmp_path / "nan"), poison)
+    c = _cap(score(oracle_bundle, [bad]))
+    row = next(p for p in c["params"] if p["name"] == "lm_head.weight")
+    assert row["nonfinite"] == 1 and row["class"] == "non_finite"
+    assert c["verdict"]["class"] == "non_finite" and "lm_head.weight" in c["verdict"]["text"]
+
+
+def test_without_a_band_the_tolerance_table_is_used_and_overridable(amp_capture, oracle_bundle):
+    c = _cap(score(oracle_bundle, [amp_capture]))
+    assert c["band_kind"] == "tolerance table (amp-bf16)" and c["verdict"]["class"] == "within_noise"
+    strict = _cap(score(oracle_bundle, [amp_capture], tol_overrides={"amp-bf16": {"expected": 1e-4}}))
+    assert strict["verdict"]["class"] == "beyond_noise"
+
+
+def test_the_closer_capture_is_named(amp_capture, fp32_capture, oracle_bundle):
+    r = score(oracle_bundle, [amp_capture, fp32_capture], names=["A", "B"])
+    assert r["comparison"]["closest_overall"] == "B"
+    assert r["comparison"]["layers_won"]["B"] == len(r["comparison"]["per_layer"])
+
+
+def test_norm_only_capture_is_scored_on_norm_ratio(oracle_bundle, tmp_path):
+    o = Bundle(oracle_bundle)
+    norms = {n: float(o.load("grads", n).norm()) for n in o.names("grads")}
+    norms["lm_head.weight"] *= 1.5
+    with BundleWriter(tmp_path / "norms", "norms") as w:
+        w.manifest.update(precision="bf16", norms=norms)
+    c = _cap(score(oracle_bundle, [tmp_path / "norms"]))
+    assert c["norms_only"] and "norm-only" in c["verdict"]["text"]
+    worst = max(c["params"], key=lambda p: p["excess"])
+    assert worst["name"] == "lm_head.weight" and worst["norm_ratio"] == pytest.approx(1.5)
+    assert math.isclose(next(p for p in c["params"] if p["name"] != "lm_head.weight")["norm_ratio"], 1.0, rel_tol=1e-12)
