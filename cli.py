@@ -164,9 +164,19 @@ def score(
     tol: List[str] = typer.Option([], "--tol", help="Override the tolerance table: PRECISION:expected=VALUE."),
     name: List[str] = typer.Option([], "--name", help="Display names for the captures, in order."),
     top: int = typer.Option(8, help="Worst parameters shown per capture."),
+    pattern: Optional[str] = typer.Option(None, help="Logs: regex with (?P<name>..) and (?P<value>..) groups."),
+    occurrence: Optional[int] = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
+    step: Optional[str] = typer.Option(None, help="Logs: keep lines whose (?P<step>..) group equals this."),
+    rank: Optional[str] = typer.Option(None, help="Logs: keep lines whose (?P<rank>..) group equals this."),
 ) -> None:
-    """Score captures against the oracle, per parameter and per layer, with a verdict."""
+    """Score captures against the oracle, per parameter and per layer, with a verdict.
+
+    Given two gradient-norm log files instead (no oracle), compare them side by side.
+    """
     from oracle.errors import RecipeError
+
+    if oracle.is_file():
+        return _score_logs([oracle, *captures], name, json_out, pattern, occurrence, step, rank)
     from oracle.render import render
     from oracle.report import write_json, write_report, _clean
     from oracle.score import score as do_score
@@ -188,6 +198,45 @@ def score(
         typer.echo(f"json: {json_out}")
     if report:
         typer.echo(f"report: {write_report(result, report)}")
+
+
+def _score_logs(paths, names, json_out, pattern, occurrence, step, rank) -> None:
+    import json
+
+    from oracle import normlog
+    from oracle.errors import LogParseError
+
+    if len(paths) != 2:
+        raise LogParseError(f"comparing norm logs takes exactly two files, got {len(paths)}")
+    labels = tuple(names) if names else tuple(p.stem for p in paths)
+    if len(labels) != 2 or labels[0] == labels[1]:
+        raise LogParseError("give two distinct --name values for the two logs")
+    logs = [normlog.parse(p, pattern=pattern, occurrence=occurrence, step=step, rank=rank) for p in paths]
+    result = normlog.compare(logs[0], logs[1], labels)
+    typer.echo(normlog.render_compare(result))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=1))
+        typer.echo(f"json: {json_out}")
+
+
+@app.command("import-log")
+@user_errors
+def import_log(
+    log: Path = typer.Argument(..., help="Gradient-norm log."),
+    out: Path = typer.Option(..., "--out", help="Norm-only bundle to write."),
+    precision: str = typer.Option("unknown", help="Precision the logged run used (selects the tolerance)."),
+    pattern: Optional[str] = typer.Option(None, help="Regex with (?P<name>..) and (?P<value>..) groups."),
+    occurrence: Optional[int] = typer.Option(None, help="Take the K-th print of each name (0-based)."),
+    step: Optional[str] = typer.Option(None, help="Keep lines whose (?P<step>..) group equals this."),
+    rank: Optional[str] = typer.Option(None, help="Keep lines whose (?P<rank>..) group equals this."),
+    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+) -> None:
+    """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts."""
+    from oracle import normlog
+
+    parsed = normlog.parse(log, pattern=pattern, occurrence=occurrence, step=step, rank=rank)
+    normlog.write_norm_bundle(parsed, out, precision=precision, overwrite=overwrite)
+    typer.echo(f"imported {len(parsed.norms)} gradient norms from {log} -> {out}")
 
 
 @app.command()
