@@ -100,6 +100,8 @@ def capture(
     precision: Precision = typer.Option(Precision.fp32, help="Precision policy of the step."),
     loss_reduction: str = typer.Option("mean", help="'mean' over loss tokens, or 'sum' (Megatron per-token loss)."),
     seed: int = typer.Option(0, help="Seed set before the step."),
+    modules: Optional[str] = typer.Option(None, help="Record module boundaries: presets (all, layers, sublayers, vit, mergers, embeddings, head; comma-separated) or a regex."),
+    budget_mb: Optional[float] = typer.Option(None, help="Disk budget for module boundaries, MiB."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Take one training step of one sample and write a capture bundle."""
@@ -115,7 +117,8 @@ def capture(
     src = r.load(model)
     smp = read_sample(str(sample), index) if sample else r.default_sample()
     capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
-                        reduction=loss_reduction, seed=seed, overwrite=overwrite)  # fmt: skip
+                        reduction=loss_reduction, seed=seed, overwrite=overwrite, modules=modules,
+                        module_budget_mb=budget_mb, echo=typer.echo)  # fmt: skip
     from oracle.bundle import Bundle
 
     b = Bundle(out)
@@ -133,11 +136,25 @@ def replay(
     ensemble: int = typer.Option(1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered)."),
     verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Finite-difference certificate (default: when cheap)."),
     directions: int = typer.Option(3, help="Random directions for --verify."),
+    local: bool = typer.Option(False, "--local", help="Teacher-forced per-module replay (needs a capture with --modules)."),
+    modules: Optional[str] = typer.Option(None, help="--local: regex selecting recorded modules."),
+    workers: int = typer.Option(1, help="--local: parallel processes."),
+    members: int = typer.Option(2, help="--local: emulated members for the expected local error."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
     from oracle.bundle import Bundle
     from oracle.replay import replay as do_replay
+
+    if local:
+        from oracle.errors import RecipeError
+        from oracle.local import replay_local
+
+        if dtype.value != "fp64":
+            raise RecipeError("--local replays each module in fp64 (and emulates the capture's precision itself)")
+        replay_local(capture, out, modules=modules, members=members, workers=workers, overwrite=overwrite)
+        typer.echo(f"replayed {len(Bundle(out).get('local'))} modules locally from {capture} -> {out}")
+        return
 
     mode = "auto" if verify is None else ("on" if verify else "off")
     do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
@@ -156,7 +173,7 @@ def replay(
 @user_errors
 def score(
     oracle: Path = typer.Argument(..., help="Oracle bundle (from `oracle replay --dtype fp64`)."),
-    captures: List[Path] = typer.Argument(..., help="Capture bundles to score."),
+    captures: Optional[List[Path]] = typer.Argument(None, help="Capture bundles to score."),
     band: List[Path] = typer.Option([], "--band", help="Emulation bundle(s) giving the noise band."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full result as JSON."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write PNG, CSV, JSON and an HTML page here."),
@@ -175,8 +192,16 @@ def score(
     """
     from oracle.errors import RecipeError
 
+    captures = captures or []
     if oracle.is_file():
         return _score_logs([oracle, *captures], name, json_out, pattern, occurrence, step, rank)
+    from oracle.bundle import Bundle
+
+    first = Bundle(oracle)
+    if first.kind == "local":
+        return _score_local(first, margin, json_out)
+    if not captures:
+        raise RecipeError("give at least one capture to score against the oracle")
     from oracle.render import render
     from oracle.report import write_json, write_report, _clean
     from oracle.score import score as do_score
@@ -198,6 +223,18 @@ def score(
         typer.echo(f"json: {json_out}")
     if report:
         typer.echo(f"report: {write_report(result, report)}")
+
+
+def _score_local(bundle, margin, json_out) -> None:
+    import json
+
+    from oracle.local import render_local, score_local
+
+    res = score_local(bundle, margin=margin)
+    typer.echo(render_local(res))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1, default=str))
+        typer.echo(f"json: {json_out}")
 
 
 def _score_logs(paths, names, json_out, pattern, occurrence, step, rank) -> None:

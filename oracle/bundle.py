@@ -38,7 +38,7 @@ from .errors import BundleError, InputNotFound, OutputExists
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-KINDS = ("capture", "oracle", "emulation", "norms")
+KINDS = ("capture", "oracle", "emulation", "norms", "local")
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

@@ -11,6 +11,9 @@
         loss.backward()
     optimizer.step()                              # after the block: weights must be those the forward used
 
+With ``modules=[names]`` each named module's boundary tensors are recorded too (modules.py), for
+``oracle replay --local``.
+
 On a clean exit the bundle holds the inputs (first forward call only), every parameter's value
 as held by the model, every parameter's gradient (``main_grad`` where it exists, else ``.grad``)
 in its own dtype, and the loss. Hooks are removed in every case; nothing is written if the block
@@ -27,6 +30,7 @@ from torch import nn
 
 from .bundle import BundleWriter
 from .errors import RecipeError
+from .modules import ModuleRecorder
 from .precision import POLICIES
 
 
@@ -77,6 +81,8 @@ class Capture:
         seed: int | None = None,
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        modules: list[str] | None = None,
+        module_budget_bytes: int | None = None,
     ):
         if precision not in POLICIES:
             raise RecipeError(f"unknown precision {precision!r}; choose one of {', '.join(POLICIES)}")
@@ -93,6 +99,7 @@ class Capture:
         self.loss: dict[str, Any] | None = None
         self._handle = None
         self._device = None
+        self.recorder = ModuleRecorder(model, modules, budget_bytes=module_budget_bytes) if modules else None
 
     # -- recording --------------------------------------------------------------------------
     def _pre_hook(self, module, args, kwargs):
@@ -125,12 +132,16 @@ class Capture:
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Capture":
         self._handle = self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        if self.recorder is not None:
+            self.recorder.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.recorder is not None:
+            self.recorder.close()
         if exc_type is not None:
             return
         self.write()
@@ -154,3 +165,8 @@ class Capture:
             w.add("inputs", self.inputs)
             w.add("weights", {n: p.detach() for n, p in params.items()})
             w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
+            if self.recorder is not None:
+                w.manifest["modules"] = self.recorder.manifest()
+                w.manifest["modules_over_budget"] = self.recorder.over_budget
+                for group, tensors in self.recorder.groups().items():
+                    w.add(group, tensors)

@@ -14,8 +14,12 @@ checked, not assumed.
 every floating operand of every aten op is rounded to bf16 (round-to-nearest-even), the op is
 computed in float32, and its result is rounded to bf16 again. This is what a device doing bf16
 storage with fp32 accumulation inside each kernel does, up to the order of the accumulation.
-``ops="amp"`` rounds only around the ops autocast runs in low precision (matmul, linear, conv,
-attention); everything else stays float32, as under ``torch.autocast``. An fp32 run is emulated
+``ops="amp"`` follows ``torch.autocast``: the ops autocast runs in low precision (matmul, linear,
+conv, attention) get rounded operands and results, and their results are tracked as "held in
+bf16"; an op outside autocast's lists whose floating inputs are all held in bf16 runs in bf16
+too (its result is rounded and tracked), as it would on the device; ops on autocast's float32
+list (``device_type``: CUDA's list for accelerators, CPU's for CPU captures) and any op with a
+float32 input stay float32. An fp32 run is emulated
 by computing in float32 itself (``compute=round_to=float32``): rounding float64 results to float32
 would miss the float32 accumulation error inside each GEMM, which is as large as the rounding of
 its result. (For bf16 the fp32 accumulation error is ~2^-16 of the bf16 rounding: negligible.)
@@ -33,11 +37,12 @@ way), the spread another accumulation order gives.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -51,6 +56,17 @@ AMP_OPS = {
     _aten.convolution_backward.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 }  # fmt: skip
+# Ops autocast keeps in float32 (their inputs are cast up), per device type. At the aten level
+# seen here; CUDA's list is used for every accelerator (NPU autocast follows it).
+_FP32_CUDA = {
+    _aten.native_layer_norm.default, _aten.native_group_norm.default, _aten._softmax.default,
+    _aten._log_softmax.default, _aten.exp.default, _aten.log.default, _aten.pow.Tensor_Scalar,
+    _aten.pow.Tensor_Tensor, _aten.rsqrt.default, _aten.reciprocal.default, _aten.sum.dim_IntList,
+    _aten.sum.default, _aten.cumsum.default, _aten.prod.default, _aten.softplus.default,
+    _aten.expm1.default, _aten.log1p.default, _aten.linalg_vector_norm.default,
+    _aten.nll_loss_forward.default, _aten.mse_loss.default,
+}  # fmt: skip
+_FP32_CPU = {_aten.nll_loss_forward.default, _aten.mse_loss.default, _aten.prod.default, _aten.cumsum.default}
 # Ops that only move or look at data: rounding around them adds nothing.
 _PASSTHROUGH = {
     _aten.detach.default, _aten.clone.default, _aten.copy_.default, _aten.empty_like.default,
@@ -69,8 +85,11 @@ class PrecisionMode(TorchDispatchMode):
         round_to: torch.dtype | None = None,
         ops: str = "all",
         jitter_seed: int | None = None,
+        device_type: str = "cuda",
     ):
         super().__init__()
+        self._fp32_ops = _FP32_CPU if device_type == "cpu" else _FP32_CUDA
+        self._low: dict[int, weakref.ref] = {}  # amp: tensors that autocast would hold in low precision
         if ops not in ("all", "amp"):
             raise ValueError("ops must be 'all' or 'amp'")
         self.compute = compute
@@ -108,6 +127,24 @@ class PrecisionMode(TorchDispatchMode):
             r = torch.where(keep, r, (x.double() * (1 + u)).to(self.round_to).to(self.compute))
         return r
 
+    def _is_low(self, x: Any) -> bool:
+        r = self._low.get(id(x))
+        return r is not None and r() is x
+
+    def mark_low(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            self._low[id(x)] = weakref.ref(x)
+        return x
+
+    def _amp_follows(self, func, args, kwargs) -> bool:
+        """amp: an op outside autocast's lists runs in its inputs' dtype -- low iff all are low."""
+        if func in self._fp32_ops or func in _PASSTHROUGH:
+            return False
+        if func == _aten._to_copy.default:
+            return self._is_low(args[0]) and kwargs.get("dtype") is None
+        floats = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        return bool(floats) and all(self._is_low(x) for x in floats)
+
     def _rounds(self, func) -> bool:
         if self.round_to is None or func in _PASSTHROUGH:
             return False
@@ -116,9 +153,28 @@ class PrecisionMode(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        explicit_low = False
         if self._lower(kwargs.get("dtype")):
+            # model code asking for a low format on purpose (``.to(bfloat16)``): in an emulated
+            # run that is a rounding to the emulated format; in the oracle it is promoted away
+            explicit_low = self.round_to is not None and kwargs["dtype"] in (torch.float16, torch.bfloat16)
             kwargs["dtype"] = self.compute
             self.promotions += 1
+        if explicit_low and not func.is_view and not func._schema.is_mutable:
+            out = tree_map(self._round, tree_map(self._promote, func(*args, **kwargs)))
+            return tree_map(self.mark_low, out)
+        amp = self.round_to is not None and self.ops == "amp"
+        if amp and func.is_view:
+            out = func(*args, **kwargs)
+            return tree_map(self.mark_low, out) if self._is_low(args[0]) else out
+        if amp and func not in AMP_OPS and self._amp_follows(func, args, kwargs):
+            if func._schema.is_mutable:
+                out = func(*args, **kwargs)
+                if isinstance(args[0], torch.Tensor) and args[0].dtype == self.compute:
+                    args[0].copy_(self._round(args[0]))
+                return out
+            self.rounded_ops += 1
+            return tree_map(self.mark_low, tree_map(self._round, tree_map(self._promote, func(*args, **kwargs))))
         if func.is_view or func._schema.is_mutable:
             out = func(*args, **kwargs)
             if self._rounds(func) and func._schema.is_mutable and func not in _PASSTHROUGH:
@@ -133,4 +189,7 @@ class PrecisionMode(TorchDispatchMode):
             self.rounded_ops += 1
             args, kwargs = tree_map(self._round, (args, kwargs))
         out = tree_map(self._promote, func(*args, **kwargs))
-        return tree_map(self._round, out) if rounds else out
+        if not rounds:
+            return out
+        out = tree_map(self._round, out)
+        return tree_map(self.mark_low, out) if amp else out

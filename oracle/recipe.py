@@ -58,6 +58,14 @@ class Recipe:
         """Run the forward and the loss; return (loss, number of loss tokens)."""
         raise NotImplementedError
 
+    def loss_from_logits(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
+        """The loss alone, from the head's output (for the local replay of the loss)."""
+        raise NotImplementedError
+
+    def boundaries(self) -> dict[str, str]:
+        """Named module selections for boundary capture: preset name -> regex over module names."""
+        return {}
+
     def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
         """Group parameter names into layers ordered along the backward pass, loss end first."""
         raise NotImplementedError

@@ -55,6 +55,11 @@ def fingerprint(bundle: Bundle) -> dict[str, dict[str, str]]:
     return {g: {n: e["value_sha256"] for n, e in t.get(g, {}).items()} for g in ("inputs", "weights")}
 
 
+def capture_device(b: Bundle) -> str:
+    """Device type the step was captured on (selects autocast's float32 op list when emulating)."""
+    return ((b.get("device") or {}).get("type")) if b.get("kind") == "capture" else ((b.get("source") or {}).get("device") or "cuda")
+
+
 def _recipe_of(cap: Bundle):
     name = (cap.get("recipe") or {}).get("name")
     if not name:
@@ -74,7 +79,7 @@ def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None) -> tuple[t
     build_mode = PrecisionMode(compute)
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
-    mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed)
+    mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=capture_device(cap))
     torch.manual_seed(0)
     order: list[str] = []  # the order gradients are completed in: the true backward order
     hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
@@ -116,7 +121,7 @@ def replay(
         "precision": dtype,
         "device": {"type": "cpu", "torch_threads": torch.get_num_threads()},
         "versions": versions(),
-        "source": {"path": str(cap.path), "kind": cap.kind, "precision": cap.get("precision")},
+        "source": {"path": str(cap.path), "kind": cap.kind, "precision": cap.get("precision"), "device": capture_device(cap)},
         "fingerprint": fingerprint(cap),
         "captured_loss": cap.get("loss"),
     }

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from .capture import Capture
+from .errors import RecipeError
+from .modules import ModuleRecorder, select
 from .numerics import PrecisionMode
 from .precision import policy
 from .recipe import ModelSource, Recipe
@@ -58,6 +61,9 @@ def capture_recipe_step(
     seed: int = 0,
     overwrite: bool = False,
     instrument: Callable[[nn.Module], Any] | None = None,
+    modules: str | None = None,
+    module_budget_mb: float | None = None,
+    echo: Callable[[str], Any] | None = None,
 ) -> str:
     """Capture one step of ``source`` on ``device`` under ``precision`` into a bundle at ``out``.
 
@@ -74,10 +80,23 @@ def capture_recipe_step(
     if instrument is not None:
         instrument(model)
     inputs = {k: v.to(dev) for k, v in inputs.items()}
+    names = None
+    budget = int(module_budget_mb * 2**20) if module_budget_mb is not None else None
+    if modules:
+        names = select_modules(recipe, model, modules)
+        estimate = estimate_module_bytes(recipe, model, names, inputs, reduction, pol, dev)
+        if echo:
+            echo(f"recording {len(names)} module boundaries: about {estimate / 2**20:.1f} MiB"
+                 + (f" (budget {module_budget_mb:g} MiB)" if budget else ""))  # fmt: skip
+        if budget is not None and estimate > budget:
+            raise RecipeError(
+                f"module capture needs about {estimate / 2**20:.1f} MiB, over the budget of {module_budget_mb:g} MiB; "
+                "select fewer modules (--modules) or raise --budget-mb"
+            )
     model.zero_grad(set_to_none=True)
     with Capture(
         model, out, precision=precision, recipe=recipe.name, model_config=source.config, seed=seed,
-        overwrite=overwrite, metadata={"model": source.origin},
+        overwrite=overwrite, metadata={"model": source.origin}, modules=names, module_budget_bytes=budget,
     ) as cap:
         with pol.autocast(dev.type):
             loss, n_tokens = recipe.forward_loss(model, inputs, reduction)
@@ -85,3 +104,24 @@ def capture_recipe_step(
         cap.set_loss(loss, reduction=reduction, num_tokens=n_tokens)
         loss.backward()
     return out
+
+
+def select_modules(recipe: Recipe, model: nn.Module, spec: str) -> list[str]:
+    """``spec``: comma-separated boundary presets of the recipe (``layers,vit``), or a regex."""
+    presets = recipe.boundaries()
+    parts = [p.strip() for p in spec.split(",")]
+    pattern = "|".join(f"(?:{presets[p]})" for p in parts) if all(p in presets for p in parts) else spec
+    try:
+        names = select(model, pattern)
+    except re.error as e:
+        raise RecipeError(f"--modules {spec!r} is neither presets ({', '.join(presets)}) nor a valid regex ({e})") from e
+    if not names:
+        raise RecipeError(f"--modules {spec!r} selects no module; presets: {', '.join(presets)}")
+    return names
+
+
+def estimate_module_bytes(recipe, model, names, inputs, reduction, pol, dev) -> int:
+    """A forward-only dry run counting boundary bytes; gradients double the floating part."""
+    with ModuleRecorder(model, names, dry_run=True) as rec, torch.no_grad(), pol.autocast(dev.type):
+        recipe.forward_loss(model, inputs, reduction)
+    return 2 * rec.bytes

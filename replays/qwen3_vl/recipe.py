@@ -80,7 +80,25 @@ class Qwen3VLRecipe(Recipe):
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         model_inputs = {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids") if k in inputs}
         logits = model(**model_inputs).logits  # (1, T, V)
+        return self.loss_from_logits(logits, inputs, reduction)
+
+    def loss_from_logits(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         return causal_lm_loss(logits, inputs["labels"], reduction)
+
+    def boundaries(self) -> dict[str, str]:
+        return {
+            "layers": r"^model\.language_model\.layers\.\d+$",
+            "sublayers": r"^model\.language_model\.layers\.\d+\.(self_attn|mlp|input_layernorm|post_attention_layernorm)$",
+            "vit": r"^model\.visual\.blocks\.\d+$",
+            "mergers": r"^model\.visual\.(merger|deepstack_merger_list\.\d+)$",
+            "embeddings": r"^model\.(language_model\.embed_tokens|visual\.patch_embed)$",
+            "head": r"^lm_head$",
+            "all": "|".join([
+                r"^model\.language_model\.layers\.\d+(\.(self_attn|mlp|input_layernorm|post_attention_layernorm))?$",
+                r"^model\.visual\.blocks\.\d+$", r"^model\.visual\.(merger|deepstack_merger_list\.\d+)$",
+                r"^model\.(language_model\.embed_tokens|visual\.patch_embed)$", r"^lm_head$",
+            ]),
+        }  # fmt: skip
 
     def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
         """Backward order: lm_head, final norm, decoder layers last to first, embeddings, then the

@@ -1,0 +1,285 @@
+"""Teacher-forced local replay: the error born in each module, apart from what it inherits.
+
+For each module M recorded at capture (modules.py), on CPU:
+  1. M is taken from the recipe's model built in float64 with the captured weights; the device's
+     own recorded inputs of M are upcast (exact) and fed to it inside PrecisionMode(float64);
+  2. forward:  fwd   = rel_l2(device outputs of M,  float64 outputs from the device's inputs)
+  3. backward: from the device's own grad_output of M (upcast),
+               bwd   = rel_l2(device grad_inputs of M, float64 grad_inputs)
+               param = rel_l2(device gradients of M's parameters, float64 ones)
+     (rel_l2 over all of a module's output / grad-input / parameter tensors jointly: sqrt of
+     summed squared differences over sqrt of summed squared truths)
+  4. expected: the same module from the same inputs in emulated low precision (numerics.py, the
+     capture's precision), K members; expected_x = max(max_k x_k, floor) -- the error an honest
+     run of that precision makes in this module alone;
+  5. ratio_x = x / expected_x: how many times the honest local error the device made here;
+  6. inherited = rel_l2(device grad_output of M, grad_output of M in the end-to-end float64
+     replay): the error M received from everything after it in the backward pass.
+The pseudo-module ``loss`` does the same for the loss alone, from the device's logits (the lm_head
+output) to the device's gradient of the logits.
+
+Culprits: modules with any ratio above the margin; a module that contains a culprit submodule
+yields to it (the error is born inside the child). Ranked by their largest ratio; the direction is
+``forward`` when the forward ratio is beyond the margin, else ``backward``.
+Modules are independent, so ``workers > 1`` replays them in separate processes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+
+from .bundle import Bundle, BundleWriter
+from .errors import BundleError, RecipeError
+from .modules import ModuleRecorder, group_name
+from .numerics import PrecisionMode
+from .replay import EMULATIONS, _recipe_of, capture_device, fingerprint
+from .steps import build_model
+from .tolerance import MARGIN, table
+
+LOSS = "loss"
+
+
+def _rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
+    if not ref:
+        return None
+    err = sum(float(((d.double() - r.double()) ** 2).sum()) for d, r in zip(dev, ref))
+    den = sum(float((r.double() ** 2).sum()) for r in ref)
+    if den == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return math.sqrt(err / den)
+
+
+class _Worker:
+    """Per-process state: the capture and the models per dtype, built once."""
+
+    def __init__(self, capture: str):
+        self.cap = Bundle(capture)
+        self.recipe = _recipe_of(self.cap)
+        self.models: dict[str, torch.nn.Module] = {}
+
+    def model(self, dtype: str) -> torch.nn.Module:
+        if dtype not in self.models:
+            compute = EMULATIONS[dtype][0]
+            cfg = self.cap.manifest["recipe"]["config"]
+            self.models[dtype] = build_model(self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute))
+        return self.models[dtype]
+
+    def run(self, name: str, dtype: str, jitter: int | None) -> dict[str, list[torch.Tensor]]:
+        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs."""
+        compute, round_to, ops = EMULATIONS[dtype]
+        meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
+        group = group_name(name if name != LOSS else "lm_head")
+        stored = set(self.cap.names(group))
+
+        mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=capture_device(self.cap))
+
+        def load(key: str) -> torch.Tensor:
+            t = self.cap.load(group, key)
+            return t.to(compute) if t.is_floating_point() else t
+
+        def held_low(key: str) -> bool:  # the device held this boundary tensor in bf16/fp16
+            return self.cap.entry(group, key)["dtype"] in ("bfloat16", "float16")
+
+        if name == LOSS:
+            logits = load("out.0").detach().requires_grad_(True)
+            if round_to is not None and held_low("out.0"):
+                mode.mark_low(logits)
+            inputs = {n: t for n, t in self.cap.iter_group("inputs")}
+            red = (self.cap.get("loss") or {}).get("reduction", "mean")
+            with mode:
+                loss, _ = self.recipe.loss_from_logits(logits, inputs, red)
+                loss.backward()
+            g = logits.grad
+            if round_to is not None and held_low("gout.0"):
+                g = g.to(round_to).to(compute)  # stored as the device stores dL/dlogits
+            return {"out": [loss.detach().reshape(1)], "gin": [g], "param": []}
+        spec = treespec_loads(meta["in_spec"])
+        n_leaves = spec.num_leaves
+        leaves: list[Any] = []
+        for i in range(n_leaves):
+            if f"in.{i}" in stored:
+                t = load(f"in.{i}")
+                if i in meta.get("grad_in", []):
+                    t = t.detach().requires_grad_(True)
+                if round_to is not None and held_low(f"in.{i}"):
+                    mode.mark_low(t)
+                leaves.append(t)
+            else:
+                leaves.append(meta["in_static"].get(str(i)))
+        args, kwargs = tree_unflatten(leaves, spec)
+        module = self.model(dtype).get_submodule(name)
+        module.zero_grad(set_to_none=True)
+        with mode:
+            out = module(*args, **kwargs)
+            outs, _ = tree_flatten(out)
+            pairs = [(outs[i], load(f"gout.{i}")) for i in meta.get("grad_out", []) if f"gout.{i}" in stored]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        out_t = [o.detach() for o in outs if isinstance(o, torch.Tensor)]
+        gin = []
+        for i in meta.get("grad_in", []):
+            if f"gin.{i}" in stored and leaves[i].grad is not None:
+                g = leaves[i].grad
+                if round_to is not None and held_low(f"gin.{i}"):
+                    g = g.to(round_to).to(compute)  # the device accumulates this gradient in its own format
+                gin.append(g)
+        params = [(f"{name}.{pn}", p.grad) for pn, p in module.named_parameters() if p.grad is not None]
+        return {"out": out_t, "gin": gin, "param": [g for _, g in params], "param_names": [n for n, _ in params]}
+
+    def device(self, name: str, param_names: list[str]) -> dict[str, list[torch.Tensor]]:
+        meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
+        group = group_name(name if name != LOSS else "lm_head")
+        stored = set(self.cap.names(group))
+        if name == LOSS:
+            lv = (self.cap.get("loss") or {}).get("value")
+            return {"out": [torch.tensor([lv], dtype=torch.float64)], "gin": [self.cap.load(group, "gout.0")], "param": []}
+        n_out = [k for k in stored if k.startswith("out.")]
+        outs = [self.cap.load(group, k) for k in sorted(n_out, key=lambda k: int(k.split(".")[1]))]
+        gin = [self.cap.load(group, f"gin.{i}") for i in meta.get("grad_in", []) if f"gin.{i}" in stored]
+        grads = set(self.cap.names("grads"))
+        return {"out": outs, "gin": gin, "param": [self.cap.load("grads", n) for n in param_names if n in grads]}
+
+
+_STATE: dict[str, _Worker] = {}
+
+
+def _worker(capture: str) -> _Worker:
+    if capture not in _STATE:
+        _STATE[capture] = _Worker(capture)
+    return _STATE[capture]
+
+
+def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[str, Any]:
+    w = _worker(capture)
+    meta = w.cap.manifest["modules"].get(name if name != LOSS else "lm_head", {})
+    truth = w.run(name, "fp64", None)
+    dev = w.device(name, truth.get("param_names", []))
+    row: dict[str, Any] = {"module": name, "calls": meta.get("calls", 1)}
+    keys = ("out", "gin", "param") if meta.get("calls", 1) == 1 else ("out", "gin")
+    labels = {"out": "fwd", "gin": "bwd", "param": "param"}
+    for k in keys:
+        row[labels[k]] = _rel(dev[k], truth[k]) if len(dev[k]) == len(truth[k]) else None
+    expected: dict[str, list[float]] = {labels[k]: [] for k in keys}
+    for m in range(members):
+        emu = w.run(name, emulate, None if m == 0 else 2000 + m)
+        for k in keys:
+            v = _rel(emu[k], truth[k]) if len(emu[k]) == len(truth[k]) else None
+            if v is not None:
+                expected[labels[k]].append(v)
+    for lab, vals in expected.items():
+        row[f"expected_{lab}"] = max(vals) if vals else None
+    return row
+
+
+def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
+    """grad_output of each module in the end-to-end float64 replay vs the device's."""
+    w = _worker(str(cap.path))
+    model = build_model(w.recipe, cap.manifest["recipe"]["config"], lambda n: cap.load("weights", n), torch.float64,
+                        mode=PrecisionMode(torch.float64))  # fmt: skip
+    real = [n for n in names if n != LOSS]
+    inputs = {n: (t.double() if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    red = (cap.get("loss") or {}).get("reduction", "mean")
+    with ModuleRecorder(model, real) as rec, PrecisionMode(torch.float64):
+        loss, _ = w.recipe.forward_loss(model, inputs, red)
+        loss.backward()
+    out: dict[str, float | None] = {}
+    for n in real:
+        meta = cap.manifest["modules"][n]
+        dev = [cap.load(group_name(n), f"gout.{i}") for i in meta.get("grad_out", []) if f"gout.{i}" in cap.names(group_name(n))]
+        ref = [rec.tensors[n][f"gout.{i}"] for i in meta.get("grad_out", []) if f"gout.{i}" in rec.tensors[n]]
+        out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) else None
+    out[LOSS] = 0.0 if LOSS in names else None  # the loss receives the constant 1: nothing to inherit
+    return out
+
+
+def replay_local(
+    capture: str | Path, out: str | Path, *, modules: str | None = None, members: int = 2, workers: int = 1,
+    overwrite: bool = False, progress: bool = False,
+) -> Path:  # fmt: skip
+    cap = Bundle(capture)
+    recorded = cap.get("modules") or {}
+    if not recorded:
+        raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all)")
+    names = sorted(recorded)
+    if modules:
+        try:
+            rx = re.compile(modules)
+        except re.error as e:
+            raise RecipeError(f"--modules {modules!r} is not a valid regex ({e})") from e
+        names = [n for n in names if rx.search(n)]
+    if "lm_head" in recorded and (not modules or re.search(modules, LOSS)):
+        names.append(LOSS)
+    if not names:
+        raise RecipeError(f"--modules {modules!r} matches none of the {len(recorded)} recorded modules")
+    precision = cap.get("precision") or "fp32"
+    emulate = precision if precision in EMULATIONS and precision != "fp64" else "fp32"
+    path = str(cap.path)
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+            rows = list(ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names)))
+    else:
+        rows = [replay_module(path, n, emulate, members) for n in names]
+    inh = _inherited(cap, names)
+    for r in rows:
+        r["inherited"] = inh.get(r["module"])
+    with BundleWriter(out, "local", overwrite=overwrite) as w:
+        w.manifest.update(
+            source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,
+            fingerprint=fingerprint(cap), recipe=cap.get("recipe"), local=rows,
+        )  # fmt: skip
+    return Path(out)
+
+
+# -- scoring ----------------------------------------------------------------------------------
+def score_local(bundle: Bundle, *, margin: float = MARGIN, tol_overrides=None) -> dict[str, Any]:
+    tol = table(tol_overrides).get(bundle.get("precision") or "unknown", table()["unknown"])
+    rows = []
+    for r in bundle.get("local", []):
+        row = dict(r)
+        for k in ("fwd", "bwd", "param"):
+            if row.get(k) is None:
+                row[f"ratio_{k}"] = None
+                continue
+            exp = max(row.get(f"expected_{k}") or 0.0, tol["floor"])
+            row[f"expected_{k}"] = exp
+            row[f"ratio_{k}"] = row[k] / exp
+        ratios = [row[f"ratio_{k}"] for k in ("fwd", "bwd", "param") if row.get(f"ratio_{k}") is not None]
+        row["ratio"] = max(ratios) if ratios else 0.0
+        row["beyond"] = row["ratio"] > margin
+        fwd_beyond = (row.get("ratio_fwd") or 0.0) > margin
+        row["direction"] = ("forward" if fwd_beyond else "backward") if row["beyond"] else None
+        rows.append(row)
+    beyond = [r for r in rows if r["beyond"]]
+    names = {r["module"] for r in beyond}
+    culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
+    culprits.sort(key=lambda r: -r["ratio"])
+    if culprits:
+        c = culprits[0]
+        text = (f"culprit: {c['module']} ({c['direction']}): its {'forward output' if c['direction'] == 'forward' else 'backward'}"
+                f" is {c['ratio']:.1f}x the error an honest {bundle.get('emulated')} run makes in this module alone"
+                f" ({len(culprits)} module(s) beyond the band)")  # fmt: skip
+    else:
+        worst = max(rows, key=lambda r: r["ratio"]) if rows else None
+        text = "no module beyond its expected local error" + (f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else "")
+    return {"local": str(bundle.path), "precision": bundle.get("precision"), "margin": margin, "modules": rows,
+            "culprits": [r["module"] for r in culprits], "verdict": {"culprit": culprits[0]["module"] if culprits else None,
+            "direction": culprits[0]["direction"] if culprits else None, "text": text}}  # fmt: skip
+
+
+def render_local(res: dict[str, Any]) -> str:
+    f = lambda x, s=".2e": "-" if x is None else format(x, s)  # noqa: E731
+    lines = [f"local replay {res['local']} ({res['precision']}): error born in each module vs an honest run of the same module",
+             f"  {'module':<52} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
+    for r in sorted(res["modules"], key=lambda r: -r["ratio"]):
+        lines.append(f"  {r['module'][-52:]:<52} {f(r.get('fwd')):>9} {f(r.get('ratio_fwd'), '.1f'):>7} {f(r.get('bwd')):>9} "
+                     f"{f(r.get('ratio_bwd'), '.1f'):>7} {f(r.get('param')):>9} {f(r.get('ratio_param'), '.1f'):>7} {f(r.get('inherited')):>9}")  # fmt: skip
+    lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]
+    return "\n".join(lines)
