@@ -1,0 +1,100 @@
+"""Teacher-forced local replay names the module where a planted error is born."""
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from faults import lowp_norm_backward, scale_grad
+from oracle.bundle import Bundle
+from oracle.local import replay_local, score_local
+from oracle.steps import capture_recipe_step
+
+
+def scale_output(path: str, factor: float):
+    """A forward fault: module ``path`` returns its output times ``factor``."""
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_hook(lambda m, a, out: out * factor)
+
+    return instrument
+
+
+@pytest.fixture(scope="module")
+def local_of(source, sample, tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    cache = {}
+
+    def run(name, precision="fp32", instrument=None):
+        if name not in cache:
+            cap = capture_recipe_step(source, sample, str(root / f"{name}.cap"), precision=precision,
+                                      instrument=instrument, modules="all")  # fmt: skip
+            loc = replay_local(cap, root / f"{name}.local")
+            cache[name] = (cap, score_local(Bundle(loc)))
+        return cache[name]
+
+    return run
+
+
+PLANTS = [
+    ("fwd-mlp-small", scale_output("model.language_model.layers.2.mlp", 1.003), "model.language_model.layers.2.mlp", "forward"),
+    ("bwd-attn-qproj", scale_grad("model.language_model.layers.1.self_attn.q_proj", 1.02), "model.language_model.layers.1.self_attn", "backward"),
+    ("bwd-rmsnorm-bf16", lowp_norm_backward(2), "model.language_model.layers.2.post_attention_layernorm", "backward"),
+    ("bwd-vit-block", scale_grad("model.visual.blocks.1.attn.proj", 1.02), "model.visual.blocks.1", "backward"),
+    ("fwd-merger", scale_output("model.visual.merger", 1.01), "model.visual.merger", "forward"),
+    ("bwd-deepstack", scale_grad("model.visual.deepstack_merger_list.0.linear_fc2", 1.02), "model.visual.deepstack_merger_list.0", "backward"),
+]
+
+
+@pytest.mark.parametrize("name,instrument,module,direction", PLANTS, ids=[p[0] for p in PLANTS])
+def test_planted_module_is_ranked_first_with_its_direction(local_of, oracle_bundle, name, instrument, module, direction):
+    cap, res = local_of(name, "fp32", instrument)
+    assert res["culprits"][0] == module, res["verdict"]["text"]
+    assert res["verdict"]["direction"] == direction
+    if name == "fwd-mlp-small":  # the loss moved, but by far less than 1 %
+        moved = abs(Bundle(cap).get("loss")["value"] / Bundle(oracle_bundle).get("captured_loss")["value"] - 1)
+        assert 0 < moved < 0.01
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_honest_captures_rank_no_module_beyond_its_band(local_of, precision):
+    _, res = local_of(f"honest-{precision}", precision)
+    assert res["culprits"] == [], res["verdict"]["text"]
+    kinds = {r["module"] for r in res["modules"]}
+    assert {"loss", "lm_head", "model.visual.merger", "model.visual.blocks.0",
+            "model.language_model.layers.0.self_attn", "model.visual.deepstack_merger_list.1"} <= kinds  # fmt: skip
+    row = next(r for r in res["modules"] if r["module"] == "model.language_model.layers.3")
+    assert row["inherited"] > 0 and row["fwd"] is not None and row["bwd"] is not None and row["param"] is not None
+    if precision == "amp-bf16":
+        assert all(r["ratio"] > 0.05 for r in res["modules"] if r["module"].endswith(("mlp", "self_attn")))  # real errors
+
+
+def test_parallel_workers_agree_with_one_process(local_of, tmp_path):
+    cap, _ = local_of("honest-fp32")
+    a = Bundle(replay_local(cap, tmp_path / "one", modules=r"layers\.3\.mlp$|merger$", workers=1)).get("local")
+    b = Bundle(replay_local(cap, tmp_path / "two", modules=r"layers\.3\.mlp$|merger$", workers=2)).get("local")
+    assert [r["module"] for r in a] == [r["module"] for r in b]
+    assert all(x["fwd"] == y["fwd"] and x["bwd"] == y["bwd"] for x, y in zip(a, b))
+
+
+def test_module_capture_cli_budget_and_local_score(tmp_path):
+    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "c"), "--modules", "layers,head", "--budget-mb", "0.01"])
+    assert r.exit_code == 7 and "over the budget" in r.output
+    r = CliRunner().invoke(app, ["capture", "--out", str(tmp_path / "c"), "--modules", "layers,head", "--budget-mb", "50"])
+    assert r.exit_code == 0 and "recording 5 module boundaries" in r.output
+    r = CliRunner().invoke(app, ["replay", str(tmp_path / "c"), "--local", "--out", str(tmp_path / "l")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["score", str(tmp_path / "l")])
+    assert r.exit_code == 0 and "no module beyond its expected local error" in r.output
+    r = CliRunner().invoke(app, ["replay", str(tmp_path / "l"), "--local", "--out", str(tmp_path / "l2")])
+    assert r.exit_code == 4
+
+
+def test_hooks_are_removed_after_capture(source, sample, tmp_path):
+    seen = {}
+
+    def instrument(model):
+        seen["model"] = model
+
+    capture_recipe_step(source, sample, str(tmp_path / "c"), modules="all", instrument=instrument)
+    m = seen["model"]
+    assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in m.modules())
