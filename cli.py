@@ -278,6 +278,71 @@ def import_log(
 
 @app.command()
 @user_errors
+def merge(
+    ranks: List[Path] = typer.Argument(..., help="Rank bundles written by oracle.megatron.capture_rank, or folders of them."),
+    out: Path = typer.Option(..., "--out", help="Merged capture bundle to write."),
+    recipe: str = typer.Option(..., help="Recipe whose HF names to map to (qwen3, qwen3-vl)."),
+    hf_config: Path = typer.Option(..., help="The model's Hugging Face config.json."),
+    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+) -> None:
+    """Merge per-rank Megatron / MindSpeed captures (TP shards, partial sums) into one capture."""
+    import json
+
+    from oracle.errors import InputNotFound, RecipeError
+    from oracle.megatron.merge import merge_ranks
+
+    if not hf_config.is_file():
+        raise InputNotFound(f"--hf-config {hf_config} does not exist")
+    try:
+        cfg = json.loads(hf_config.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{hf_config} is not valid JSON ({e})") from e
+    merge_ranks(ranks, out, recipe=recipe, hf_config=cfg, overwrite=overwrite)
+    from oracle.bundle import Bundle
+
+    b = Bundle(out)
+    meg = b.get("megatron")
+    typer.echo(f"merged {len(meg['merged_from'])} TP rank(s) ({meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")
+    for wmsg in meg["warnings"]:
+        typer.echo(f"  warning: {wmsg}")
+
+
+@app.command("rank-view")
+@user_errors
+def rank_view_cmd(
+    oracle: Path = typer.Argument(..., help="Oracle of a merged Megatron capture."),
+    tp: int = typer.Option(..., help="Tensor-parallel size of the run to view."),
+    rank: int = typer.Option(0, help="TP rank."),
+    sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallel on."),
+    stage: str = typer.Option("pre-finalize", help="pre-finalize or post-finalize."),
+    seq_len_padded: Optional[int] = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
+    compare: List[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
+    logs: List[Path] = typer.Option([], "--log", help="Gradient-norm logs printed on that rank: which is closer to the truth."),
+    name: List[str] = typer.Option([], "--name", help="Display names for the logs."),
+    occurrence: Optional[int] = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
+) -> None:
+    """What one Megatron rank should have held, from the oracle; compared with rank captures or norm logs."""
+    from oracle.errors import RecipeError
+    from oracle.megatron.rankview import compare_rank, compare_logs, rank_view
+
+    if stage not in ("pre-finalize", "post-finalize"):
+        raise RecipeError("--stage must be pre-finalize or post-finalize")
+    view = rank_view(oracle, tp_size=tp, rank=rank, sequence_parallel=sp, stage=stage, seq_len_padded=seq_len_padded)
+    typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage}: {len(view)} gradients")
+    for b in compare:
+        errs = compare_rank(view, b)
+        worst = max(errs, key=errs.get)
+        typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
+    if logs:
+        from oracle import normlog
+
+        parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
+        labels = name or [p.stem for p in logs]
+        typer.echo(compare_logs(view, parsed, labels))
+
+
+@app.command()
+@user_errors
 def demo(
     dir: Path = typer.Option(Path("oracle-demo"), "--dir", help="Where the demo's bundles and report go."),
     ensemble: int = typer.Option(4, help="Members of the emulated noise band."),

@@ -29,3 +29,18 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -
     if reduction == "mean":
         loss = loss / max(n_tokens, 1)
     return loss, n_tokens
+
+
+def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, reduction: str) -> tuple[torch.Tensor, int]:
+    """Megatron's convention: ``labels`` already aligned with positions (label t = token t+1, the
+    roll done by the data pipeline) and a float ``loss_mask``; loss = sum_t mask_t * CE_t
+    (``sum``), or that divided by sum_t mask_t (``mean``)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")  # (B*T,)
+    mask = loss_mask.reshape(-1).to(ce.dtype)
+    n_tokens = int(loss_mask.sum())
+    loss = (ce * mask).sum()
+    if reduction == "mean":
+        loss = loss / max(n_tokens, 1)
+    return loss, n_tokens

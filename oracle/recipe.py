@@ -34,6 +34,8 @@ class Recipe:
     name: str = ""
     #: model names this recipe embeds (``oracle capture --model NAME``), e.g. ``tiny-qwen3-vl``
     embedded: tuple[str, ...] = ()
+    #: mcore parameter name templates -> HF names (oracle/megatron/names.py), for Megatron captures
+    megatron_names: dict[str, str] = {}
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         """Whether a local Hugging Face directory with this config.json belongs to this recipe."""

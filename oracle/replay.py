@@ -70,8 +70,9 @@ def _recipe_of(cap: Bundle):
     return recipes.get(name)
 
 
-def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
-    """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss."""
+def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None, instrument=None) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
+    """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss.
+    ``instrument(model)`` runs before the forward (hooks for rank views and boundary records)."""
     recipe = _recipe_of(cap)
     compute, round_to, ops = EMULATIONS[dtype]
     config = cap.manifest["recipe"]["config"]
@@ -80,6 +81,8 @@ def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None) -> tuple[t
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=capture_device(cap))
+    if instrument is not None:
+        instrument(model)
     torch.manual_seed(0)
     order: list[str] = []  # the order gradients are completed in: the true backward order
     hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
@@ -125,6 +128,8 @@ def replay(
         "fingerprint": fingerprint(cap),
         "captured_loss": cap.get("loss"),
     }
+    if cap.get("megatron"):
+        base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
     if dtype == "fp64":
         if ensemble != 1:
             raise RecipeError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")

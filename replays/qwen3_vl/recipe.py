@@ -26,10 +26,22 @@ _DEEP = re.compile(r"^model\.visual\.deepstack_merger_list\.(\d+)\.")
 SAMPLE = Path(__file__).with_name("sample.jsonl")
 
 
+def _vl_megatron_names() -> dict[str, str]:
+    """ms-swift's mcore Qwen3-VL: the language model under ``language_model.``, the HF vision
+    tower kept whole under ``visual.visual.`` (not TP-split in ms-swift 3.12)."""
+    from replays.qwen3.recipe import MEGATRON_NAMES
+
+    names = {f"language_model.{mc}": hf.replace("model.", "model.language_model.", 1) if hf.startswith("model.") else hf
+             for mc, hf in MEGATRON_NAMES.items()}  # fmt: skip
+    names["visual.visual.{rest}"] = "model.visual.{rest}"
+    return names
+
+
 @register
 class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
+    megatron_names = _vl_megatron_names()
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         return hf_config.get("model_type") == "qwen3_vl"
