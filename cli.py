@@ -341,6 +341,30 @@ def rank_view_cmd(
         typer.echo(compare_logs(view, parsed, labels))
 
 
+@app.command("import-msprobe")
+@user_errors
+def import_msprobe(
+    dump: Path = typer.Argument(..., help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0)."),
+    out: Path = typer.Option(..., "--out", help="Capture (or norm-only) bundle to write."),
+    step: Optional[int] = typer.Option(None, help="Which step{N} of the dump."),
+    rank: Optional[int] = typer.Option(None, help="Which rank{N} of the dump."),
+    precision: str = typer.Option("unknown", help="Precision the dumped run used."),
+    megatron_tp: Optional[int] = typer.Option(None, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`."),
+    sp: bool = typer.Option(False, "--sp/--no-sp", help="Megatron: sequence parallel was on."),
+    stage: str = typer.Option("pre-finalize", help="Megatron: when the gradients were dumped."),
+    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
+) -> None:
+    """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics)."""
+    from oracle.bundle import Bundle
+    from oracle.msprobe import import_dump
+
+    import_dump(dump, out, step=step, rank=rank, precision=precision, megatron_tp=megatron_tp,
+                megatron_rank=rank, sequence_parallel=sp, stage=stage, overwrite=overwrite)  # fmt: skip
+    b = Bundle(out)
+    what = f"{len(b.names('grads'))} gradient tensors" if b.kind == "capture" else f"{len(b.get('norms'))} gradient norms"
+    typer.echo(f"imported {what} from {dump} -> {out}")
+
+
 @app.command()
 @user_errors
 def demo(

@@ -44,13 +44,18 @@ WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
 
 
 # -- inputs -----------------------------------------------------------------------------------
-def check_same_step(oracle: Bundle, other: Bundle, label: str) -> None:
+def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
+    """Raise MismatchError if ``other`` is another step; return the groups that could not be
+    checked (a norm log has no tensors; an msprobe import has weights but not the inputs)."""
     if other.kind == "norms":
-        return  # a norm log carries no tensors to fingerprint
+        return ["inputs", "weights"]
     a, b = fingerprint(oracle), fingerprint(other)
     problems = []
+    unverified = [g for g in ("inputs", "weights") if not b.get(g)]
     for group in ("inputs", "weights"):
         ga, gb = a.get(group, {}), b.get(group, {})
+        if group in unverified:
+            continue
         for n in sorted(set(ga) | set(gb)):
             if n not in gb:
                 problems.append(f"{group}/{n}: missing from {label}")
@@ -65,6 +70,7 @@ def check_same_step(oracle: Bundle, other: Bundle, label: str) -> None:
             + "\n  ".join(problems[:12]) + more
             + "\nCapture both from the same weights and inputs, or replay this capture to get its own oracle."
         )
+    return unverified
 
 
 def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
@@ -120,8 +126,7 @@ def score(
         if b.kind != "emulation":
             raise BundleError(f"--band {b.path} is a {b.kind} bundle; a band comes from `oracle replay --dtype bf16 --ensemble K`")
     labels = list(names) if names else _default_names(caps)
-    for c, lab in zip(caps, labels):
-        check_same_step(oracle, c, lab)
+    unverified = {lab: check_same_step(oracle, c, lab) for c, lab in zip(caps, labels)}
     for b in bands:
         check_same_step(oracle, b, f"band {b.path.name}")
 
@@ -157,6 +162,8 @@ def score(
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
+    for c in result_caps:
+        c["unverified"] = unverified[c["name"]]
     out = {
         "oracle": _oracle_info(oracle),
         "margin": margin,
@@ -324,6 +331,8 @@ def _oracle_info(oracle: Bundle) -> dict[str, Any]:
 
 def _summary(out: dict[str, Any]) -> str:
     lines = [c["verdict"]["text"] for c in out["captures"]]
+    lines += [f"note: {c['name']}: same step not verified for its {' and '.join(c['unverified'])} (not in the capture)"
+              for c in out["captures"] if c.get("unverified")]
     cmp = out.get("comparison")
     if cmp and cmp["per_layer"]:
         won = ", ".join(f"{n} {k}/{len(cmp['per_layer'])}" for n, k in cmp["layers_won"].items())

@@ -39,7 +39,25 @@ def _shims():
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # 3. no dropout: no RNG fork
 
 
-def _worker(rank: int, world: int, out: str, sp: bool, port: int):
+def _msprobe(out: str | None, summary: bool = False):
+    """A mindstudio-probe debugger dumping parameter gradients at module level (L0), or None."""
+    if out is None:
+        return None
+    import json
+
+    from msprobe.pytorch import PrecisionDebugger
+
+    task = "statistics" if summary else "tensor"
+    cfg = {"task": task, "dump_path": out, "rank": [], "step": [], "level": "L0",
+           task: {"scope": [], "list": [], "data_mode": ["all"], **({"summary_mode": "statistics"} if summary else {"file_format": "pt"})}}  # fmt: skip
+    path = os.path.join(out + ".config.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return PrecisionDebugger(config_path=path)
+
+
+def _worker(rank: int, world: int, out: str, sp: bool, port: int, msprobe_dir: str | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -91,10 +109,16 @@ def _worker(rank: int, world: int, out: str, sp: bool, port: int):
     b = batch()
     s = b["tokens"].shape[1]
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # 2. explicit causal mask (True = masked)
+    dbg = _msprobe(msprobe_dir)
+    if dbg is not None:
+        dbg.start(model=ddp.module)
     losses = ddp(b["tokens"], b["position_ids"], mask, labels=b["labels"])  # (1, s) token losses
     loss = (losses.float() * b["loss_mask"]).sum()
     n_tokens = int(b["loss_mask"].sum())
     loss.backward()
+    if dbg is not None:
+        dbg.stop()
+        dbg.step()
     capture_rank(ddp, os.path.join(out, "pre"), stage="pre-finalize", batch=b, loss=loss, num_tokens=n_tokens)
     finalize_model_grads([ddp], num_tokens=torch.tensor(n_tokens, dtype=torch.int))
     capture_rank(ddp, os.path.join(out, "post"), stage="post-finalize", batch=b, loss=loss, num_tokens=n_tokens)
@@ -102,8 +126,8 @@ def _worker(rank: int, world: int, out: str, sp: bool, port: int):
     torch.distributed.destroy_process_group()
 
 
-def run_peer(out: str, tp: int, sp: bool, port: int = 29531) -> str:
-    mp.spawn(_worker, args=(tp, out, sp, port), nprocs=tp, join=True)
+def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None) -> str:
+    mp.spawn(_worker, args=(tp, out, sp, port, msprobe_dir), nprocs=tp, join=True)
     return out
 
 

@@ -38,6 +38,15 @@ class Heads:
         d = int(cfg.get("kv_channels") or cfg["hidden_size"] // np_)
         return cls(np_, ng, d)
 
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Heads":
+        t = hf.get("text_config") or hf
+        np_ = int(t["num_attention_heads"])
+        return cls(np_, int(t.get("num_key_value_heads") or np_), int(t.get("head_dim") or t["hidden_size"] // np_))
+
+    def as_config(self) -> dict:
+        return {"num_attention_heads": self.np, "num_query_groups": self.ng, "kv_channels": self.d}
+
 
 def kind_of(name: str, layout: dict) -> str:
     if name.endswith("linear_qkv.layer_norm_weight") or name.endswith("linear_fc1.layer_norm_weight"):

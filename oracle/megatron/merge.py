@@ -94,7 +94,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
         raise BundleError(f"recipe {recipe!r} has no megatron_names table")
     names = NameMap(rec.megatron_names)
     meta = info["meta"]
-    heads = Heads.from_config(meta["config"])
+    heads = Heads.from_config(meta["config"]) if meta["config"].get("num_attention_heads") else Heads.from_hf(hf_config)
+    config = {**heads.as_config(), **meta["config"]}
     vocab = hf_config.get("vocab_size") or (hf_config.get("text_config") or {}).get("vocab_size")
     tp, stage = info["tp"], info["stage"]
     weights: dict[str, torch.Tensor] = {}
@@ -138,7 +139,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
             versions=ranks[0].get("versions"), loss=loss, seed=None,
             megatron={"stage": stage, "tp_size": tp, "sequence_parallel": bool(meta["config"].get("sequence_parallel")),
                       "calculate_per_token_loss": meta.get("calculate_per_token_loss"), "num_tokens": meta.get("num_tokens"),
-                      "config": meta["config"], "mapping": mapping, "merged_from": [str(b.path) for b in ranks],
+                      "config": config, "mapping": mapping, "merged_from": [str(b.path) for b in ranks],
                       "warnings": warnings},
         )  # fmt: skip
         w.add("inputs", ranks[0].load_group("inputs"))
