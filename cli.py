@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import typer
 
@@ -94,14 +94,17 @@ def _check_device(device: str) -> None:
 def capture(
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     model: str = typer.Option("tiny-qwen3-vl", help="Embedded model name, or a local Hugging Face model directory."),
-    sample: Optional[Path] = typer.Option(None, help="ms-swift style .jsonl; default: the embedded sample."),
+    sample: Path | None = typer.Option(None, help="ms-swift style .jsonl; default: the embedded sample."),
     index: int = typer.Option(0, help="Line of --sample to use."),
     device: Device = typer.Option(Device.cpu, help="Device the step runs on."),
     precision: Precision = typer.Option(Precision.fp32, help="Precision policy of the step."),
     loss_reduction: str = typer.Option("mean", help="'mean' over loss tokens, or 'sum' (Megatron per-token loss)."),
     seed: int = typer.Option(0, help="Seed set before the step."),
-    modules: Optional[str] = typer.Option(None, help="Record module boundaries: presets (all, layers, sublayers, vit, mergers, embeddings, head; comma-separated) or a regex."),
-    budget_mb: Optional[float] = typer.Option(None, help="Disk budget for module boundaries, MiB."),
+    modules: str | None = typer.Option(
+        None,
+        help="Record module boundaries: presets (all, layers, sublayers, vit, mergers, embeddings, head; comma-separated) or a regex.",
+    ),
+    budget_mb: float | None = typer.Option(None, help="Disk budget for module boundaries, MiB."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Take one training step of one sample and write a capture bundle."""
@@ -134,10 +137,10 @@ def replay(
     out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
     dtype: ReplayDtype = typer.Option(ReplayDtype.fp64, help="fp64: the oracle; others: an emulated run (noise band)."),
     ensemble: int = typer.Option(1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered)."),
-    verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Finite-difference certificate (default: when cheap)."),
+    verify: bool | None = typer.Option(None, "--verify/--no-verify", help="Finite-difference certificate (default: when cheap)."),
     directions: int = typer.Option(3, help="Random directions for --verify."),
     local: bool = typer.Option(False, "--local", help="Teacher-forced per-module replay (needs a capture with --modules)."),
-    modules: Optional[str] = typer.Option(None, help="--local: regex selecting recorded modules."),
+    modules: str | None = typer.Option(None, help="--local: regex selecting recorded modules."),
     workers: int = typer.Option(1, help="--local: parallel processes."),
     members: int = typer.Option(2, help="--local: emulated members for the expected local error."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
@@ -173,18 +176,18 @@ def replay(
 @user_errors
 def score(
     oracle: Path = typer.Argument(..., help="Oracle bundle (from `oracle replay --dtype fp64`)."),
-    captures: Optional[List[Path]] = typer.Argument(None, help="Capture bundles to score."),
-    band: List[Path] = typer.Option([], "--band", help="Emulation bundle(s) giving the noise band."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full result as JSON."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Write PNG, CSV, JSON and an HTML page here."),
+    captures: list[Path] | None = typer.Argument(None, help="Capture bundles to score."),
+    band: list[Path] = typer.Option([], "--band", help="Emulation bundle(s) giving the noise band."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the full result as JSON."),
+    report: Path | None = typer.Option(None, "--report", help="Write PNG, CSV, JSON and an HTML page here."),
     margin: float = typer.Option(3.0, help="Excess over the band above which a layer is beyond noise."),
-    tol: List[str] = typer.Option([], "--tol", help="Override the tolerance table: PRECISION:expected=VALUE."),
-    name: List[str] = typer.Option([], "--name", help="Display names for the captures, in order."),
+    tol: list[str] = typer.Option([], "--tol", help="Override the tolerance table: PRECISION:expected=VALUE."),
+    name: list[str] = typer.Option([], "--name", help="Display names for the captures, in order."),
     top: int = typer.Option(8, help="Worst parameters shown per capture."),
-    pattern: Optional[str] = typer.Option(None, help="Logs: regex with (?P<name>..) and (?P<value>..) groups."),
-    occurrence: Optional[int] = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
-    step: Optional[str] = typer.Option(None, help="Logs: keep lines whose (?P<step>..) group equals this."),
-    rank: Optional[str] = typer.Option(None, help="Logs: keep lines whose (?P<rank>..) group equals this."),
+    pattern: str | None = typer.Option(None, help="Logs: regex with (?P<name>..) and (?P<value>..) groups."),
+    occurrence: int | None = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
+    step: str | None = typer.Option(None, help="Logs: keep lines whose (?P<step>..) group equals this."),
+    rank: str | None = typer.Option(None, help="Logs: keep lines whose (?P<rank>..) group equals this."),
 ) -> None:
     """Score captures against the oracle, per parameter and per layer, with a verdict.
 
@@ -203,7 +206,7 @@ def score(
     if not captures:
         raise RecipeError("give at least one capture to score against the oracle")
     from oracle.render import render
-    from oracle.report import write_json, write_report, _clean
+    from oracle.report import _clean, write_json, write_report
     from oracle.score import score as do_score
     from oracle.tolerance import parse_override
 
@@ -262,10 +265,10 @@ def import_log(
     log: Path = typer.Argument(..., help="Gradient-norm log."),
     out: Path = typer.Option(..., "--out", help="Norm-only bundle to write."),
     precision: str = typer.Option("unknown", help="Precision the logged run used (selects the tolerance)."),
-    pattern: Optional[str] = typer.Option(None, help="Regex with (?P<name>..) and (?P<value>..) groups."),
-    occurrence: Optional[int] = typer.Option(None, help="Take the K-th print of each name (0-based)."),
-    step: Optional[str] = typer.Option(None, help="Keep lines whose (?P<step>..) group equals this."),
-    rank: Optional[str] = typer.Option(None, help="Keep lines whose (?P<rank>..) group equals this."),
+    pattern: str | None = typer.Option(None, help="Regex with (?P<name>..) and (?P<value>..) groups."),
+    occurrence: int | None = typer.Option(None, help="Take the K-th print of each name (0-based)."),
+    step: str | None = typer.Option(None, help="Keep lines whose (?P<step>..) group equals this."),
+    rank: str | None = typer.Option(None, help="Keep lines whose (?P<rank>..) group equals this."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts."""
@@ -279,25 +282,17 @@ def import_log(
 @app.command()
 @user_errors
 def merge(
-    ranks: List[Path] = typer.Argument(..., help="Rank bundles written by oracle.megatron.capture_rank, or folders of them."),
+    ranks: list[Path] = typer.Argument(..., help="Rank bundles written by oracle.megatron.capture_rank, or folders of them."),
     out: Path = typer.Option(..., "--out", help="Merged capture bundle to write."),
     recipe: str = typer.Option(..., help="Recipe whose HF names to map to (qwen3, qwen3-vl)."),
     hf_config: Path = typer.Option(..., help="The model's Hugging Face config.json."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Merge per-rank Megatron / MindSpeed captures (TP shards, partial sums) into one capture."""
-    import json
-
-    from oracle.errors import InputNotFound, RecipeError
     from oracle.megatron.merge import merge_ranks
+    from oracle.recipe import load_hf_config
 
-    if not hf_config.is_file():
-        raise InputNotFound(f"--hf-config {hf_config} does not exist")
-    try:
-        cfg = json.loads(hf_config.read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{hf_config} is not valid JSON ({e})") from e
-    merge_ranks(ranks, out, recipe=recipe, hf_config=cfg, overwrite=overwrite)
+    merge_ranks(ranks, out, recipe=recipe, hf_config=load_hf_config(hf_config), overwrite=overwrite)
     from oracle.bundle import Bundle
 
     b = Bundle(out)
@@ -315,15 +310,15 @@ def rank_view_cmd(
     rank: int = typer.Option(0, help="TP rank."),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallel on."),
     stage: str = typer.Option("pre-finalize", help="pre-finalize or post-finalize."),
-    seq_len_padded: Optional[int] = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
-    compare: List[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
-    logs: List[Path] = typer.Option([], "--log", help="Gradient-norm logs printed on that rank: which is closer to the truth."),
-    name: List[str] = typer.Option([], "--name", help="Display names for the logs."),
-    occurrence: Optional[int] = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
+    seq_len_padded: int | None = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
+    compare: list[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
+    logs: list[Path] = typer.Option([], "--log", help="Gradient-norm logs printed on that rank: which is closer to the truth."),
+    name: list[str] = typer.Option([], "--name", help="Display names for the logs."),
+    occurrence: int | None = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
 ) -> None:
     """What one Megatron rank should have held, from the oracle; compared with rank captures or norm logs."""
     from oracle.errors import RecipeError
-    from oracle.megatron.rankview import compare_rank, compare_logs, rank_view
+    from oracle.megatron.rankview import compare_logs, compare_rank, rank_view
 
     if stage not in ("pre-finalize", "post-finalize"):
         raise RecipeError("--stage must be pre-finalize or post-finalize")
@@ -346,10 +341,12 @@ def rank_view_cmd(
 def import_msprobe(
     dump: Path = typer.Argument(..., help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0)."),
     out: Path = typer.Option(..., "--out", help="Capture (or norm-only) bundle to write."),
-    step: Optional[int] = typer.Option(None, help="Which step{N} of the dump."),
-    rank: Optional[int] = typer.Option(None, help="Which rank{N} of the dump."),
+    step: int | None = typer.Option(None, help="Which step{N} of the dump."),
+    rank: int | None = typer.Option(None, help="Which rank{N} of the dump."),
     precision: str = typer.Option("unknown", help="Precision the dumped run used."),
-    megatron_tp: Optional[int] = typer.Option(None, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`."),
+    megatron_tp: int | None = typer.Option(
+        None, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`."
+    ),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Megatron: sequence parallel was on."),
     stage: str = typer.Option("pre-finalize", help="Megatron: when the gradients were dumped."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),

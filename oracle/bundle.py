@@ -27,8 +27,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -77,16 +78,14 @@ class BundleWriter:
         self.path = Path(path)
         if self.path.exists() and not overwrite:
             raise OutputExists(f"output {self.path} already exists; choose another --out or pass --overwrite")
-        if self.path.exists() and (not self.path.is_dir() or (
-            not (self.path / MANIFEST).exists() and any(self.path.iterdir())
-        )):
+        if self.path.exists() and (not self.path.is_dir() or (not (self.path / MANIFEST).exists() and any(self.path.iterdir()))):
             raise OutputExists(f"output {self.path} exists and is not a bundle; refusing to replace it")
         self.overwrite = overwrite
         self.manifest: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": kind, "tensors": {}}
         self._tmp: Path | None = None
         self._files: set[str] = set()
 
-    def __enter__(self) -> "BundleWriter":
+    def __enter__(self) -> BundleWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
         return self

@@ -23,7 +23,8 @@ raises. Tensors are copied to CPU one at a time while writing, never all at once
 from __future__ import annotations
 
 import platform
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,7 +131,7 @@ class Capture:
         self.loss = {"value": float(loss.detach().float().item()), "reduction": reduction, "num_tokens": num_tokens}
 
     # -- context ----------------------------------------------------------------------------
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         self._handle = self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         if self.recorder is not None:
             self.recorder.__enter__()

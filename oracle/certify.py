@@ -16,7 +16,7 @@ derivative chain, not the accuracy of any device.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

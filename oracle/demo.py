@@ -6,8 +6,8 @@ two devices; on real hardware run ``oracle capture --device cuda|npu`` on each m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import recipe as recipes
 from .render import render
@@ -39,4 +39,6 @@ def run_demo(out: str | Path, *, ensemble: int = 4, echo: Callable[[str], None] 
         echo(f"emulated {ensemble} honest {prec} runs (noise band) -> {bands[-1]}")
     result = score(oracle, caps, band_paths=bands, names=["cpu-amp-bf16", "cpu-fp32"])
     page = write_report(result, out / "report")
-    return render(result, top=5, max_layers=12) + f"\n\nreport: {page}\n(both captures are CPU runs of the embedded tiny Qwen3-VL)"
+    return (
+        render(result, top=5, max_layers=12) + f"\n\nreport: {page}\n(both captures are CPU runs of the embedded tiny Qwen3-VL)"
+    )

@@ -69,7 +69,9 @@ class _Worker:
         if dtype not in self.models:
             compute = EMULATIONS[dtype][0]
             cfg = self.cap.manifest["recipe"]["config"]
-            self.models[dtype] = build_model(self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute))
+            self.models[dtype] = build_model(
+                self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute)
+            )
         return self.models[dtype]
 
     def run(self, name: str, dtype: str, jitter: int | None) -> dict[str, list[torch.Tensor]]:
@@ -268,7 +270,9 @@ def score_local(bundle: Bundle, *, margin: float = MARGIN, tol_overrides=None) -
                 f" ({len(culprits)} module(s) beyond the band)")  # fmt: skip
     else:
         worst = max(rows, key=lambda r: r["ratio"]) if rows else None
-        text = "no module beyond its expected local error" + (f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else "")
+        text = "no module beyond its expected local error" + (
+            f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else ""
+        )
     return {"local": str(bundle.path), "precision": bundle.get("precision"), "margin": margin, "modules": rows,
             "culprits": [r["module"] for r in culprits], "verdict": {"culprit": culprits[0]["module"] if culprits else None,
             "direction": culprits[0]["direction"] if culprits else None, "text": text}}  # fmt: skip

@@ -31,7 +31,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -
     return loss, n_tokens
 
 
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, reduction: str) -> tuple[torch.Tensor, int]:
+def masked_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, reduction: str
+) -> tuple[torch.Tensor, int]:
     """Megatron's convention: ``labels`` already aligned with positions (label t = token t+1, the
     roll done by the data pipeline) and a float ``loss_mask``; loss = sum_t mask_t * CE_t
     (``sum``), or that divided by sum_t mask_t (``mean``)."""

@@ -71,7 +71,9 @@ class ModuleRecorder:
                 return None
             leaves, spec = tree_flatten((args, kwargs))
             meta["in_spec"] = treespec_dumps(spec)
-            meta["in_static"] = {str(i): v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and isinstance(v, JSONABLE)}
+            meta["in_static"] = {
+                str(i): v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and isinstance(v, JSONABLE)
+            }
             meta["grad_in"] = []
             new = list(leaves)
             for i, v in enumerate(leaves):
@@ -115,7 +117,7 @@ class ModuleRecorder:
 
         return hook
 
-    def __enter__(self) -> "ModuleRecorder":
+    def __enter__(self) -> ModuleRecorder:
         try:
             for n in self.names:
                 m = self.model.get_submodule(n)

@@ -44,7 +44,11 @@ def dump_dirs(path: str | Path, *, step: int | None = None, rank: int | None = N
     if rank is not None:
         found = [d for d in found if d.name == f"rank{rank}"]
     if not found:
-        raise BundleError(f"{p}: no dump.json" + (f" for step {step}" if step is not None else "") + (f" rank {rank}" if rank is not None else ""))
+        raise BundleError(
+            f"{p}: no dump.json"
+            + (f" for step {step}" if step is not None else "")
+            + (f" rank {rank}" if rank is not None else "")
+        )
     return found
 
 
@@ -86,7 +90,14 @@ def read_dump(folder: Path) -> dict[str, Any]:
                     weights[f"{m['path']}.{leaf}"] = _load_pt(folder, desc["data_name"], desc)
     if not norms and not grads:
         raise BundleError(f"{folder / 'dump.json'} holds no parameters_grad entries; dump with level L0 or mix")
-    return {"task": d.get("task"), "level": d.get("level"), "grads": grads, "norms": norms, "weights": weights, "classes": classes}
+    return {
+        "task": d.get("task"),
+        "level": d.get("level"),
+        "grads": grads,
+        "norms": norms,
+        "weights": weights,
+        "classes": classes,
+    }
 
 
 def import_dump(path: str | Path, out: str | Path, *, step: int | None = None, rank: int | None = None,
@@ -94,7 +105,9 @@ def import_dump(path: str | Path, out: str | Path, *, step: int | None = None, r
                 sequence_parallel: bool = False, stage: str = "pre-finalize", overwrite: bool = False) -> Path:  # fmt: skip
     dirs = dump_dirs(path, step=step, rank=rank)
     if len(dirs) > 1:
-        raise BundleError(f"{path} holds {len(dirs)} dumps ({', '.join(str(d) for d in dirs[:4])}); choose one with --step / --rank")
+        raise BundleError(
+            f"{path} holds {len(dirs)} dumps ({', '.join(str(d) for d in dirs[:4])}); choose one with --step / --rank"
+        )
     folder = dirs[0]
     d = read_dump(folder)
     source = {"msprobe": str(folder), "task": d["task"], "level": d["level"]}

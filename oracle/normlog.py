@@ -34,7 +34,11 @@ DEFAULT_PATTERN = r"\[DEBUG_GRAD_NORM\]\[[^\]]*\]\s+(?P<name>\S+)\s+norm=(?P<val
 # Parameter kinds, first match wins. "partial" marks grads that are per-rank partial sums before
 # Megatron's finalize_model_grads (megatron-layouts.md).
 KINDS = [
-    ("norm weight (SP partial sum)", r"(layer_norm_weight|final_layernorm|input_layernorm|post_attention_layernorm|\.norm\.weight)", True),
+    (
+        "norm weight (SP partial sum)",
+        r"(layer_norm_weight|final_layernorm|input_layernorm|post_attention_layernorm|\.norm\.weight)",
+        True,
+    ),
     ("q/k layernorm (TP partial sum)", r"(q_layernorm|k_layernorm|q_norm|k_norm)", True),
     ("embedding (vocab shard)", r"(word_embeddings|embed_tokens)", False),
     ("output layer (vocab shard)", r"(output_layer|lm_head)", False),
@@ -189,8 +193,12 @@ def _summary(r: dict[str, Any]) -> str:
         top = r["kinds"][0]
         lines.append(
             f"Parameter kind that stands out: {top['kind']} (mean |log ratio| {top['mean_abs_log_ratio']:.3f} over {top['n']})"
-            + ("; at a pre-finalize print these are per-rank partial sums over each rank's sequence chunk or heads, "
-               "comparable only if both runs chunked and padded alike." if top["partial_sum"] else ".")  # fmt: skip
+            + (
+                "; at a pre-finalize print these are per-rank partial sums over each rank's sequence chunk or heads, "
+                "comparable only if both runs chunked and padded alike."
+                if top["partial_sum"]
+                else "."
+            )  # fmt: skip
         )
     for n, only in r["only_in"].items():
         if only:
@@ -211,7 +219,7 @@ def render_compare(r: dict[str, Any]) -> str:
         out.append(f"  (names below omit the common prefix {prefix})")
     out.append(f"  {'parameter (backward order)':<62} {na:>12} {nb:>12} {'ratio':>8}")
     for p in r["params"]:
-        short = p["name"][len(prefix):]
+        short = p["name"][len(prefix) :]
         out.append(f"  {short[-62:]:<62} {p[na]:>12.6g} {p[nb]:>12.6g} {p['ratio']:>8.4f}")
     out += ["", f"  {'layer':<24} {'ratio':>8}  params"]
     out += [f"  {lr['layer']:<24} {lr['ratio']:>8.4f}  {lr['n_params']}" for lr in r["layers"]]

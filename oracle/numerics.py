@@ -105,8 +105,11 @@ class PrecisionMode(TorchDispatchMode):
 
     # -- helpers ----------------------------------------------------------------------------
     def _lower(self, dtype: Any) -> bool:
-        return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype != self.compute and (
-            dtype in LOW_FLOATS or dtype == torch.float64
+        return (
+            isinstance(dtype, torch.dtype)
+            and dtype.is_floating_point
+            and dtype != self.compute
+            and (dtype in LOW_FLOATS or dtype == torch.float64)
         )
 
     def _promote(self, x: Any) -> Any:

@@ -7,9 +7,10 @@ The engine never imports a concrete model: recipes register themselves by name w
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from .errors import RecipeError
 class ModelSource:
     """A model ready to capture: config, weights (the values to load) and input preparation state."""
 
-    recipe: "Recipe"
+    recipe: Recipe
     config: dict[str, Any]
     weights: dict[str, torch.Tensor]
     origin: str
@@ -102,7 +103,6 @@ def get(name: str) -> Recipe:
 
 def for_model(spec: str) -> Recipe:
     """The recipe for ``--model SPEC``: an embedded name, or a local HF directory's config.json."""
-    import json
     from pathlib import Path
 
     _discover()
@@ -116,14 +116,30 @@ def for_model(spec: str) -> Recipe:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise RecipeError(f"{path} has no config.json; point --model at a Hugging Face model directory")
-    try:
-        hf_config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{cfg_file} is not valid JSON ({e})") from e
+    hf_config = load_hf_config(cfg_file)
     for r in _RECIPES.values():
         if r.accepts(hf_config):
             return r
     raise RecipeError(f"no recipe handles model_type {hf_config.get('model_type')!r} ({cfg_file})")
+
+
+def load_hf_config(path) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict, with a clear error when it is missing or not JSON."""
+    import json
+    from pathlib import Path
+
+    from .errors import InputNotFound
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputNotFound(f"{p} does not exist")
+    try:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{p} is not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"{p} does not hold a JSON object")
+    return cfg
 
 
 def names() -> list[str]:

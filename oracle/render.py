@@ -17,7 +17,9 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
     lines = [f"oracle: {o['path']}  ({o['precision']}, loss {_f(o['loss'], '.10g')})"]
     cert = o.get("certificate")
     if cert:
-        lines.append(f"  certified: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions")
+        lines.append(
+            f"  certified: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
+        )
     if o.get("warning"):
         lines.append(f"  WARNING: {o['warning']}")
     for c in result["captures"]:
@@ -25,13 +27,13 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
         lines.append(f"== {c['name']}  [{c['precision']}]  loss {_f(c['loss'], '.10g')}  band: {c['band_kind']}")
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
         worst = sorted(c["params"], key=lambda r: -r["excess"])[:top]
-        lines.append(f"  worst parameters (by excess over band)")
+        lines.append("  worst parameters (by excess over band)")
         lines.append(f"  {'parameter':<60} {metric:>9} {'band':>9} {'excess':>8} {'cosine':>9} {'norm_ratio':>10}  class")
         for r in worst:
             err = abs(r["norm_ratio"] - 1) if c["norms_only"] else r["rel_l2"]
             lines.append(f"  {r['name'][-60:]:<60} {_f(err):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8} "
                          f"{_f(r.get('cosine'), '.6f'):>9} {_f(r['norm_ratio'], '.5f'):>10}  {r['class']}")  # fmt: skip
-        lines.append(f"  per layer, loss end first")
+        lines.append("  per layer, loss end first")
         lines.append(f"  {'layer':<34} {metric:>9} {'band':>9} {'excess':>8}  class")
         shown = c["layers"] if len(c["layers"]) <= max_layers else c["layers"][:max_layers]
         for r in shown:

@@ -57,20 +57,23 @@ def fingerprint(bundle: Bundle) -> dict[str, dict[str, str]]:
 
 def capture_device(b: Bundle) -> str:
     """Device type the step was captured on (selects autocast's float32 op list when emulating)."""
-    return ((b.get("device") or {}).get("type")) if b.get("kind") == "capture" else ((b.get("source") or {}).get("device") or "cuda")
+    return (
+        ((b.get("device") or {}).get("type")) if b.get("kind") == "capture" else ((b.get("source") or {}).get("device") or "cuda")
+    )
 
 
 def _recipe_of(cap: Bundle):
     name = (cap.get("recipe") or {}).get("name")
     if not name:
         raise RecipeError(
-            f"{cap.path} names no recipe, so it cannot be rebuilt; capture with recipe=... "
-            f"(known: {', '.join(recipes.names())})"
+            f"{cap.path} names no recipe, so it cannot be rebuilt; capture with recipe=... (known: {', '.join(recipes.names())})"
         )
     return recipes.get(name)
 
 
-def run_step(cap: Bundle, dtype: str, jitter_seed: int | None = None, instrument=None) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
+def run_step(
+    cap: Bundle, dtype: str, jitter_seed: int | None = None, instrument=None
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
     """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss.
     ``instrument(model)`` runs before the forward (hooks for rank views and boundary records)."""
     recipe = _recipe_of(cap)
@@ -139,9 +142,13 @@ def replay(
         cert = None
         if verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS):
             recipe = _recipe_of(cap)
+            reduction = (cap.get("loss") or {}).get("reduction", "mean")
+
+            def loss_fn(model=model, inputs=inputs):
+                return recipe.forward_loss(model, inputs, reduction)[0]
+
             cert = finite_difference_certificate(
-                model, lambda: recipe.forward_loss(model, inputs, base["captured_loss"]["reduction"] if base["captured_loss"] else "mean")[0],
-                directions=directions, mode_factory=lambda: PrecisionMode(torch.float64),
+                model, loss_fn, directions=directions, mode_factory=lambda: PrecisionMode(torch.float64)
             )
         with BundleWriter(out, "oracle", overwrite=overwrite) as w:
             w.manifest.update(base)
@@ -170,8 +177,12 @@ def replay(
         w.manifest.update(
             loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses},
             members=ensemble,
-            emulation={"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."),
-                       "ops": ops, "jitter": "uniform relative ±½ ulp before round-to-nearest, members ≥ 1"},  # fmt: skip
+            emulation={
+                "compute": str(compute).removeprefix("torch."),
+                "round_to": str(round_to).removeprefix("torch."),
+                "ops": ops,
+                "jitter": "uniform relative ±½ ulp before round-to-nearest, members ≥ 1",
+            },  # fmt: skip
             seconds=round(time.perf_counter() - t0, 3),
         )
     return Path(out)

@@ -104,7 +104,9 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     for c in result["captures"]:
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
         parts.append(f"<h2>{e(c['name'])} ({e(c['precision'])})</h2><p>{e(c['verdict']['text'])}</p>")
-        parts.append(f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>")
+        parts.append(
+            f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"
+        )
         for r in c["layers"]:
             parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
                          f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip

@@ -67,7 +67,8 @@ def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise MismatchError(
             f"{label} ({other.path}) is not the step the oracle replays; {len(problems)} tensor(s) differ:\n  "
-            + "\n  ".join(problems[:12]) + more
+            + "\n  ".join(problems[:12])
+            + more
             + "\nCapture both from the same weights and inputs, or replay this capture to get its own oracle."
         )
     return unverified
@@ -124,7 +125,9 @@ def score(
     bands = [Bundle(p) for p in band_paths]
     for b in bands:
         if b.kind != "emulation":
-            raise BundleError(f"--band {b.path} is a {b.kind} bundle; a band comes from `oracle replay --dtype bf16 --ensemble K`")
+            raise BundleError(
+                f"--band {b.path} is a {b.kind} bundle; a band comes from `oracle replay --dtype bf16 --ensemble K`"
+            )
     labels = list(names) if names else _default_names(caps)
     unverified = {lab: check_same_step(oracle, c, lab) for c, lab in zip(caps, labels)}
     for b in bands:
@@ -213,8 +216,11 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
         band = _band_value(band_rows.get(p, []), norms_only, tol)
         excess, cls = _classify(err, band, int(r["nonfinite"]), margin)
         row = {"name": p, "layer": layer_of.get(p, "other"), "band": band, "excess": excess, "class": cls}
-        keys = ("norm_ratio", "norm", "ref_norm", "nonfinite") if norms_only else (
-            "rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
+        keys = (
+            ("norm_ratio", "norm", "ref_norm", "nonfinite")
+            if norms_only
+            else ("rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
+        )
         row.update({k: r[k] for k in keys})
         params.append(row)
     by_name = {r["name"]: r for r in params}
@@ -331,8 +337,11 @@ def _oracle_info(oracle: Bundle) -> dict[str, Any]:
 
 def _summary(out: dict[str, Any]) -> str:
     lines = [c["verdict"]["text"] for c in out["captures"]]
-    lines += [f"note: {c['name']}: same step not verified for its {' and '.join(c['unverified'])} (not in the capture)"
-              for c in out["captures"] if c.get("unverified")]
+    lines += [
+        f"note: {c['name']}: same step not verified for its {' and '.join(c['unverified'])} (not in the capture)"
+        for c in out["captures"]
+        if c.get("unverified")
+    ]
     cmp = out.get("comparison")
     if cmp and cmp["per_layer"]:
         won = ", ".join(f"{n} {k}/{len(cmp['per_layer'])}" for n, k in cmp["layers_won"].items())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ def build_model(
     With a ``mode`` the module is built inside it, so that buffers computed at init (rotary
     frequencies) are computed in the mode's compute dtype too.
     """
-    with default_dtype(dtype), (mode or contextlib.nullcontext()):
+    with default_dtype(dtype), mode or contextlib.nullcontext():
         model = recipe.build(dict(config))
     model = model.to(dtype)
     model.eval()  # no dropout: a step must be reproducible
@@ -95,8 +96,16 @@ def capture_recipe_step(
             )
     model.zero_grad(set_to_none=True)
     with Capture(
-        model, out, precision=precision, recipe=recipe.name, model_config=source.config, seed=seed,
-        overwrite=overwrite, metadata={"model": source.origin}, modules=names, module_budget_bytes=budget,
+        model,
+        out,
+        precision=precision,
+        recipe=recipe.name,
+        model_config=source.config,
+        seed=seed,
+        overwrite=overwrite,
+        metadata={"model": source.origin},
+        modules=names,
+        module_budget_bytes=budget,
     ) as cap:
         with pol.autocast(dev.type):
             loss, n_tokens = recipe.forward_loss(model, inputs, reduction)

@@ -1,10 +1,10 @@
 import json
 
 import pytest
+from helpers import rewrite_grads
 from typer.testing import CliRunner
 
 from cli import app
-from helpers import rewrite_grads
 
 runner = CliRunner()
 

@@ -1,10 +1,10 @@
 """Teacher-forced local replay names the module where a planted error is born."""
 
 import pytest
+from faults import lowp_norm_backward, scale_grad
 from typer.testing import CliRunner
 
 from cli import app
-from faults import lowp_norm_backward, scale_grad
 from oracle.bundle import Bundle
 from oracle.local import replay_local, score_local
 from oracle.steps import capture_recipe_step
@@ -37,11 +37,21 @@ def local_of(source, sample, tmp_path_factory):
 
 PLANTS = [
     ("fwd-mlp-small", scale_output("model.language_model.layers.2.mlp", 1.003), "model.language_model.layers.2.mlp", "forward"),
-    ("bwd-attn-qproj", scale_grad("model.language_model.layers.1.self_attn.q_proj", 1.02), "model.language_model.layers.1.self_attn", "backward"),
+    (
+        "bwd-attn-qproj",
+        scale_grad("model.language_model.layers.1.self_attn.q_proj", 1.02),
+        "model.language_model.layers.1.self_attn",
+        "backward",
+    ),
     ("bwd-rmsnorm-bf16", lowp_norm_backward(2), "model.language_model.layers.2.post_attention_layernorm", "backward"),
     ("bwd-vit-block", scale_grad("model.visual.blocks.1.attn.proj", 1.02), "model.visual.blocks.1", "backward"),
     ("fwd-merger", scale_output("model.visual.merger", 1.01), "model.visual.merger", "forward"),
-    ("bwd-deepstack", scale_grad("model.visual.deepstack_merger_list.0.linear_fc2", 1.02), "model.visual.deepstack_merger_list.0", "backward"),
+    (
+        "bwd-deepstack",
+        scale_grad("model.visual.deepstack_merger_list.0.linear_fc2", 1.02),
+        "model.visual.deepstack_merger_list.0",
+        "backward",
+    ),
 ]
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from helpers import rewrite_grads
+from megatron_peer import CFG, run_peer
 from typer.testing import CliRunner
 
 from cli import app
-from helpers import rewrite_grads
-from megatron_peer import CFG, run_peer
 from oracle.bundle import Bundle
 from oracle.errors import BundleError
 from oracle.megatron.hook import capture_rank
@@ -111,8 +111,13 @@ def test_cli_merge_and_rank_view(peers, merged, tmp_path):
     assert r.exit_code == 0 and "merged 2 TP rank(s) (pre-finalize)" in r.output, r.output
     _, oracle = merged["tp2sp", "pre"]
     rank0 = Bundle(peers / "tp2sp" / "pre" / "rank00000")
-    honest = "".join(f"[DEBUG_GRAD_NORM][POST_BACKWARD_LAYER] {n} norm={float(rank0.load('grads', n).norm())}\n" for n in rank0.names("grads"))
-    off = "".join(f"[DEBUG_GRAD_NORM][POST_BACKWARD_LAYER] {n} norm={float(rank0.load('grads', n).norm()) * 1.2}\n" for n in rank0.names("grads"))
+    honest = "".join(
+        f"[DEBUG_GRAD_NORM][POST_BACKWARD_LAYER] {n} norm={float(rank0.load('grads', n).norm())}\n" for n in rank0.names("grads")
+    )
+    off = "".join(
+        f"[DEBUG_GRAD_NORM][POST_BACKWARD_LAYER] {n} norm={float(rank0.load('grads', n).norm()) * 1.2}\n"
+        for n in rank0.names("grads")
+    )
     (tmp_path / "a.log").write_text(honest)
     (tmp_path / "b.log").write_text(off)
     r = CliRunner().invoke(app, ["rank-view", oracle, "--tp", "2", "--rank", "0", "--sp", "--compare",

@@ -5,10 +5,11 @@ import multiprocessing
 
 import pytest
 import torch
+from megatron_peer import run_peer
+from test_megatron import HF
 from typer.testing import CliRunner
 
 from cli import app
-from megatron_peer import run_peer
 from oracle.bundle import Bundle
 from oracle.errors import BundleError
 from oracle.megatron.merge import merge_ranks
@@ -16,7 +17,6 @@ from oracle.msprobe import import_dump
 from oracle.replay import replay
 from oracle.score import score
 from oracle.steps import build_model
-from test_megatron import HF
 
 
 def _dump_in_child(out: str, summary: bool) -> None:

@@ -1,10 +1,9 @@
 import math
 
 import pytest
-import torch
-
 from faults import lowp_norm_backward, scale_grad, wrong_mask_backward
 from helpers import rewrite_grads
+
 from oracle.bundle import Bundle, BundleWriter
 from oracle.errors import MismatchError
 from oracle.score import score

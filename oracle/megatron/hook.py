@@ -17,8 +17,9 @@ order under the same names; nothing here depends on the order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,10 +75,12 @@ def capture_rank(
     path = Path(out) / f"rank{c['rank']:05d}"
     params = dict(model.named_parameters())
     layout = {
-        n: {"tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
+        n: {
+            "tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
             "partition_dim": int(getattr(p, "partition_dim", -1)),
             "partition_stride": int(getattr(p, "partition_stride", 1)),
-            "sequence_parallel": bool(getattr(p, "sequence_parallel", False))}  # fmt: skip
+            "sequence_parallel": bool(getattr(p, "sequence_parallel", False)),
+        }  # fmt: skip
         for n, p in params.items()
     }
     dtype = next(iter(params.values())).dtype
@@ -93,8 +96,14 @@ def capture_rank(
             device=describe_device(next(iter(params.values())).device),
             versions=versions(),
             loss={"value": loss, "reduction": reduction, "num_tokens": num_tokens},
-            megatron={"stage": stage, "coords": c, "calculate_per_token_loss": calculate_per_token_loss,
-                      "num_tokens": num_tokens, "config": _config_of(model), "layout": layout},  # fmt: skip
+            megatron={
+                "stage": stage,
+                "coords": c,
+                "calculate_per_token_loss": calculate_per_token_loss,
+                "num_tokens": num_tokens,
+                "config": _config_of(model),
+                "layout": layout,
+            },  # fmt: skip
         )
         w.add("inputs", {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
         w.add("weights", {n: p.detach() for n, p in params.items()})

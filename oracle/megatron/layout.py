@@ -32,14 +32,14 @@ class Heads:
     d: int  # head dim
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "Heads":
+    def from_config(cls, cfg: dict) -> Heads:
         np_ = int(cfg["num_attention_heads"])
         ng = int(cfg.get("num_query_groups") or np_)
         d = int(cfg.get("kv_channels") or cfg["hidden_size"] // np_)
         return cls(np_, ng, d)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "Heads":
+    def from_hf(cls, hf: dict) -> Heads:
         t = hf.get("text_config") or hf
         np_ = int(t["num_attention_heads"])
         return cls(np_, int(t.get("num_key_value_heads") or np_), int(t.get("head_dim") or t["hidden_size"] // np_))

@@ -43,7 +43,9 @@ def rank_bundles(paths: list[str | Path]) -> list[Bundle]:
             out.append(Bundle(p))  # raises InputNotFound with the path
     for b in out:
         if "megatron" not in b.manifest:
-            raise BundleError(f"{b.path} is not a Megatron rank capture (no 'megatron' section); write it with oracle.megatron.capture_rank")
+            raise BundleError(
+                f"{b.path} is not a Megatron rank capture (no 'megatron' section); write it with oracle.megatron.capture_rank"
+            )
     return out
 
 
@@ -61,7 +63,9 @@ def _check_ranks(bundles: list[Bundle]) -> tuple[list[Bundle], dict[str, Any]]:
         raise BundleError("pipeline parallel captures (PP > 1) are not merged yet; capture with PP = 1")
     dp = {m["coords"].get("dp_size", 1) for m in metas}
     if stage == "pre-finalize" and max(dp) > 1:
-        raise BundleError("pre-finalize gradients with DP > 1 hold different samples per DP rank; capture with DP = 1 or post-finalize")
+        raise BundleError(
+            "pre-finalize gradients with DP > 1 hold different samples per DP rank; capture with DP = 1 or post-finalize"
+        )
     chosen = {}
     for b, m in zip(bundles, metas):
         if m["coords"].get("dp_rank", 0) == 0:
@@ -124,7 +128,9 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                     ref = per_rank_g[0].double()
                     for r, g in enumerate(per_rank_g[1:], 1):
                         if float((g.double() - ref).norm()) > POST_AGREEMENT * max(float(ref.norm()), 1e-30):
-                            warnings.append(f"{mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used")
+                            warnings.append(
+                                f"{mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used"
+                            )
             else:
                 merged_g = merge_tensor(kind, per_rank_g, heads=heads, vocab=vocab, dim=dim)
             for n, t in zip(hf, merged_g):

@@ -35,7 +35,9 @@ from .layout import HEAD_NORM_RX, Heads, shard_of
 _SUFFIX = ".weight"
 
 
-def _norm_partials(oracle: Bundle, modules: dict[str, str], *, tp: int, heads: Heads, seq_pad: int | None) -> dict[str, list[torch.Tensor]]:
+def _norm_partials(
+    oracle: Bundle, modules: dict[str, str], *, tp: int, heads: Heads, seq_pad: int | None
+) -> dict[str, list[torch.Tensor]]:
     """module name -> [partial gradient of its weight for rank r, r < tp], mode 'tokens' or 'q'/'k' heads."""
     kept: dict[str, dict] = {}
 

@@ -39,7 +39,9 @@ def _open_image(ref: str, base: str):
     return Image.open(p).convert("RGB")
 
 
-def build_inputs(sample: dict[str, Any], tokenizer, image_processor, model, special_ids: dict[str, int]) -> dict[str, torch.Tensor]:
+def build_inputs(
+    sample: dict[str, Any], tokenizer, image_processor, model, special_ids: dict[str, int]
+) -> dict[str, torch.Tensor]:
     images = [_open_image(r, sample.get("_base", ".")) for r in sample.get("images", [])]
     n_tags = sum(str(m.get("content", "")).count("<image>") for m in sample["messages"])
     if n_tags != len(images):

@@ -13,11 +13,10 @@ from torch import nn
 from oracle.errors import RecipeError
 from oracle.loss import causal_lm_loss
 from oracle.recipe import ModelSource, Recipe, register
+from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
 
 from . import flavors
-from oracle.samples import read_sample
-
 from .inputs import build_inputs
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
