@@ -310,6 +310,11 @@ def rank_view_cmd(
     rank: int = typer.Option(0, help="TP rank."),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallel on."),
     stage: str = typer.Option("pre-finalize", help="pre-finalize or post-finalize."),
+    per_token_loss: bool = typer.Option(
+        True,
+        "--per-token-loss/--no-per-token-loss",
+        help="calculate_per_token_loss (ms-swift's default): pre-finalize grads are of the loss SUM.",
+    ),
     seq_len_padded: int | None = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
     compare: list[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
     logs: list[Path] = typer.Option([], "--log", help="Gradient-norm logs printed on that rank: which is closer to the truth."),
@@ -322,7 +327,15 @@ def rank_view_cmd(
 
     if stage not in ("pre-finalize", "post-finalize"):
         raise RecipeError("--stage must be pre-finalize or post-finalize")
-    view = rank_view(oracle, tp_size=tp, rank=rank, sequence_parallel=sp, stage=stage, seq_len_padded=seq_len_padded)
+    view = rank_view(
+        oracle,
+        tp_size=tp,
+        rank=rank,
+        sequence_parallel=sp,
+        stage=stage,
+        calculate_per_token_loss=per_token_loss,
+        seq_len_padded=seq_len_padded,
+    )
     typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage}: {len(view)} gradients")
     for b in compare:
         errs = compare_rank(view, b)
