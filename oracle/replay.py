@@ -181,7 +181,7 @@ def replay(
                 "compute": str(compute).removeprefix("torch."),
                 "round_to": str(round_to).removeprefix("torch."),
                 "ops": ops,
-                "jitter": "uniform relative ±½ ulp before round-to-nearest, members ≥ 1",
+                "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept",
             },  # fmt: skip
             seconds=round(time.perf_counter() - t0, 3),
         )
