@@ -20,8 +20,6 @@ import torch
 
 from .errors import RecipeError
 
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(frozen=True)
 class Policy:
@@ -49,9 +47,3 @@ def policy(name: str) -> Policy:
         return POLICIES[name]
     except KeyError:
         raise RecipeError(f"unknown precision {name!r}; choose one of {', '.join(POLICIES)}") from None
-
-
-def low_dtype(name: str) -> torch.dtype | None:
-    """The low-precision format a policy rounds to (None for fp32)."""
-    p = policy(name)
-    return p.autocast_dtype or (p.param_dtype if p.param_dtype != torch.float32 else None)

@@ -7,7 +7,6 @@ The engine never imports a concrete model: recipes register themselves by name w
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -145,6 +144,3 @@ def load_hf_config(path) -> dict[str, Any]:
 def names() -> list[str]:
     _discover()
     return sorted(_RECIPES)
-
-
-HookFn = Callable[[nn.Module], Any]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -192,7 +191,3 @@ def member_groups(bundle: Bundle) -> list[str]:
     """The gradient groups of an emulation bundle (or the single ``grads`` of any other)."""
     k = int(bundle.get("members", 1))
     return ["grads"] + [f"grads.{i}" for i in range(1, k)]
-
-
-def describe(bundle: Bundle) -> dict[str, Any]:
-    return {"path": str(bundle.path), "kind": bundle.kind, "precision": bundle.get("precision")}
