@@ -186,6 +186,9 @@ class Bundle:
     def names(self, group: str) -> list[str]:
         return list(self.manifest.get("tensors", {}).get(group, {}))
 
+    def has(self, group: str, name: str) -> bool:
+        return name in self.manifest.get("tensors", {}).get(group, {})
+
     def entry(self, group: str, name: str) -> dict[str, Any]:
         try:
             return self.manifest["tensors"][group][name]

@@ -40,7 +40,7 @@ from .bundle import Bundle, BundleWriter
 from .errors import BundleError, RecipeError
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
-from .replay import EMULATIONS, _recipe_of, capture_device, fingerprint
+from .replay import EMULATIONS, _recipe_of, capture_device, fingerprint, run_step
 from .steps import build_model
 from .tolerance import MARGIN, table
 
@@ -183,20 +183,21 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
 
 def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
     """grad_output of each module in the end-to-end float64 replay vs the device's."""
-    w = _worker(str(cap.path))
-    model = build_model(w.recipe, cap.manifest["recipe"]["config"], lambda n: cap.load("weights", n), torch.float64,
-                        mode=PrecisionMode(torch.float64))  # fmt: skip
     real = [n for n in names if n != LOSS]
-    inputs = {n: (t.double() if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
-    red = (cap.get("loss") or {}).get("reduction", "mean")
-    with ModuleRecorder(model, real) as rec, PrecisionMode(torch.float64):
-        loss, _ = w.recipe.forward_loss(model, inputs, red)
-        loss.backward()
+    recorders: list[ModuleRecorder] = []
+
+    def record(model):
+        recorders.append(ModuleRecorder(model, real).__enter__())
+
+    run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
+    rec = recorders[0]
+    rec.close()
     out: dict[str, float | None] = {}
     for n in real:
-        meta = cap.manifest["modules"][n]
-        dev = [cap.load(group_name(n), f"gout.{i}") for i in meta.get("grad_out", []) if f"gout.{i}" in cap.names(group_name(n))]
-        ref = [rec.tensors[n][f"gout.{i}"] for i in meta.get("grad_out", []) if f"gout.{i}" in rec.tensors[n]]
+        meta, group = cap.manifest["modules"][n], group_name(n)
+        keys = [f"gout.{i}" for i in meta.get("grad_out", [])]
+        dev = [cap.load(group, k) for k in keys if cap.has(group, k)]
+        ref = [rec.tensors[n][k] for k in keys if k in rec.tensors[n]]
         out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) else None
     out[LOSS] = 0.0 if LOSS in names else None  # the loss receives the constant 1: nothing to inherit
     return out

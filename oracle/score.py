@@ -151,13 +151,13 @@ def score(
     for p in pnames:
         t = oracle.load("grads", p)
         for b in bands:
-            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in member_groups(b) if p in b.names(g)]
+            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in member_groups(b) if b.has(g, p)]
         for plan in plans:
             c = plan["bundle"]
             if plan["norms"] is not None:
                 if p in plan["norms"]:
                     plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
-            elif p in c.names("grads"):
+            elif c.has("grads", p):
                 plan["rows"][p] = tensor_metrics(c.load("grads", p), t)
             if plan["band"] is not None:
                 plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]

@@ -118,7 +118,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
         merged_w = merge_tensor(kind, per_rank_w, heads=heads, vocab=vocab, dim=dim)
         if kind in ("norm", "copy") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
             warnings.append(f"{mname}: replicated weight differs across TP ranks; rank 0's copy is used")
-        if mname in ranks[0].names("grads"):
+        if ranks[0].has("grads", mname):
             per_rank_g = [b.load("grads", mname) for b in ranks]
             if kind in ("norm", "copy"):
                 if stage == "pre-finalize" and _partial(mname, layout, tp):
