@@ -208,17 +208,11 @@ def score(
     from oracle.render import render
     from oracle.report import _clean, write_json, write_report
     from oracle.score import score as do_score
-    from oracle.tolerance import parse_override
+    from oracle.tolerance import parse_overrides
 
     if name and len(name) != len(captures):
         raise RecipeError(f"--name given {len(name)} times for {len(captures)} captures")
-    overrides: dict = {}
-    for spec in tol:
-        try:
-            key, field, value = parse_override(spec)
-        except ValueError as e:
-            raise RecipeError(str(e)) from None
-        overrides.setdefault(key, {})[field] = value
+    overrides = parse_overrides(tol)
     result = do_score(oracle, captures, band_paths=band, margin=margin, tol_overrides=overrides, names=name or None)
     typer.echo(render(result, top=top))
     if json_out:

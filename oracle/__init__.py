@@ -6,7 +6,7 @@ gradients against that truth with a measured noise band.
 
 __version__ = "0.1.0"
 
-from .bundle import Bundle, BundleWriter, open_bundle  # noqa: E402
+from .bundle import Bundle, BundleWriter  # noqa: E402
 from .capture import Capture  # noqa: E402
 
-__all__ = ["Bundle", "BundleWriter", "Capture", "open_bundle", "__version__"]
+__all__ = ["Bundle", "BundleWriter", "Capture", "__version__"]

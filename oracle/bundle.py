@@ -223,6 +223,22 @@ class Bundle:
         for n in self.names(group):
             yield n, self.load(group, n, verify=verify)
 
+    # -- what step this is ------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, dict[str, str]]:
+        """value_sha256 of every input and weight: what makes two bundles "the same step"."""
+        if "fingerprint" in self.manifest:
+            return self.manifest["fingerprint"]
+        t = self.manifest.get("tensors", {})
+        return {g: {n: e["value_sha256"] for n, e in t.get(g, {}).items()} for g in ("inputs", "weights")}
 
-def open_bundle(path: str | os.PathLike) -> Bundle:
-    return Bundle(path)
+    def capture_device(self) -> str:
+        """Device type the step was captured on (selects autocast's float32 op list when emulating);
+        a bundle replayed from a capture carries its source's."""
+        if self.kind == "capture":
+            return (self.get("device") or {}).get("type") or "cuda"
+        return (self.get("source") or {}).get("device") or "cuda"
+
+    def member_groups(self) -> list[str]:
+        """The gradient groups of an emulation bundle (or the single ``grads`` of any other)."""
+        k = int(self.get("members", 1))
+        return ["grads"] + [f"grads.{i}" for i in range(1, k)]

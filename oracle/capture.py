@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from .bundle import BundleWriter
-from .errors import RecipeError
 from .modules import ModuleRecorder
-from .precision import POLICIES
+from .precision import capture_policy
 
 
 def versions() -> dict[str, str]:
@@ -85,8 +84,7 @@ class Capture:
         modules: list[str] | None = None,
         module_budget_bytes: int | None = None,
     ):
-        if precision not in POLICIES:
-            raise RecipeError(f"unknown precision {precision!r}; choose one of {', '.join(POLICIES)}")
+        capture_policy(precision)  # a device precision from the one table, else UsageError
         self.model = model
         self.out = out
         self.precision = precision

@@ -14,6 +14,13 @@ class OracleError(Exception):
     exit_code = 1
 
 
+class UsageError(OracleError):
+    """Options that contradict each other or a value outside its choices (typer's own usage errors
+    exit 2 as well)."""
+
+    exit_code = 2
+
+
 class InputNotFound(OracleError):
     exit_code = 3
 
@@ -48,8 +55,8 @@ class LogParseError(OracleError):
 
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
-    1: "internal error (a bug: please report it with the traceback printed by --debug)",
-    2: "usage error (unknown option, missing argument)",
+    1: "internal error (a bug: please report it with the last frames printed)",
+    UsageError.exit_code: "usage error (unknown option, missing argument, contradicting options)",
     InputNotFound.exit_code: "an input path does not exist or cannot be read",
     BundleError.exit_code: "a bundle is malformed, damaged (hash mismatch) or of an unsupported schema",
     MismatchError.exit_code: "bundles describe different steps (inputs or weights differ)",

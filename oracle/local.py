@@ -26,7 +26,6 @@ Modules are independent, so ``workers > 1`` replays them in separate processes.
 
 from __future__ import annotations
 
-import math
 import re
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -38,9 +37,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
 from .bundle import Bundle, BundleWriter
 from .errors import BundleError, RecipeError
+from .metrics import rel_l2
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
-from .replay import EMULATIONS, _recipe_of, capture_device, fingerprint, run_step
+from .precision import CAPTURE_NAMES, emulation
+from .replay import _recipe_of, run_step
 from .steps import build_model
 from .tolerance import MARGIN, table
 
@@ -48,13 +49,7 @@ LOSS = "loss"
 
 
 def _rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
-    if not ref:
-        return None
-    err = sum(float(((d.double() - r.double()) ** 2).sum()) for d, r in zip(dev, ref))
-    den = sum(float((r.double() ** 2).sum()) for r in ref)
-    if den == 0.0:
-        return 0.0 if err == 0.0 else math.inf
-    return math.sqrt(err / den)
+    return rel_l2(dev, ref) if ref else None
 
 
 class _Worker:
@@ -67,7 +62,7 @@ class _Worker:
 
     def model(self, dtype: str) -> torch.nn.Module:
         if dtype not in self.models:
-            compute = EMULATIONS[dtype][0]
+            compute = emulation(dtype)[0]
             cfg = self.cap.manifest["recipe"]["config"]
             self.models[dtype] = build_model(
                 self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute)
@@ -76,12 +71,12 @@ class _Worker:
 
     def run(self, name: str, dtype: str, jitter: int | None) -> dict[str, list[torch.Tensor]]:
         """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs."""
-        compute, round_to, ops = EMULATIONS[dtype]
+        compute, round_to, ops = emulation(dtype)
         meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
         group = group_name(name if name != LOSS else "lm_head")
         stored = set(self.cap.names(group))
 
-        mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=capture_device(self.cap))
+        mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
 
         def load(key: str) -> torch.Tensor:
             t = self.cap.load(group, key)
@@ -223,7 +218,7 @@ def replay_local(
     if not names:
         raise RecipeError(f"--modules {modules!r} matches none of the {len(recorded)} recorded modules")
     precision = cap.get("precision") or "fp32"
-    emulate = precision if precision in EMULATIONS and precision != "fp64" else "fp32"
+    emulate = precision if precision in CAPTURE_NAMES else "fp32"
     path = str(cap.path)
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
@@ -236,7 +231,7 @@ def replay_local(
     with BundleWriter(out, "local", overwrite=overwrite) as w:
         w.manifest.update(
             source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,
-            fingerprint=fingerprint(cap), recipe=cap.get("recipe"), local=rows,
+            fingerprint=cap.fingerprint(), recipe=cap.get("recipe"), local=rows,
         )  # fmt: skip
     return Path(out)
 

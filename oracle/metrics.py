@@ -23,9 +23,23 @@ import torch
 
 
 def safe_ratio(num: float, den: float, *, both_zero: float = 0.0) -> float:
+    """num / den, with the zero-truth case defined once: ``both_zero`` if both are 0, inf if only den is."""
     if den == 0.0:
         return both_zero if num == 0.0 else math.inf
     return num / den
+
+
+def rel_l2(dev: list[torch.Tensor] | torch.Tensor, ref: list[torch.Tensor] | torch.Tensor) -> float:
+    """Joint relative L2 error of tensors against their truths, in float64:
+    sqrt(sum_i ||d_i - r_i||^2) / sqrt(sum_i ||r_i||^2); 0 if both are zero, inf if only the truth is.
+    NaN/Inf in ``dev`` make the result NaN: callers that must localise them count them first."""
+    dev = [dev] if isinstance(dev, torch.Tensor) else list(dev)
+    ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+    if len(dev) != len(ref):
+        raise ValueError(f"{len(dev)} tensors against {len(ref)} truths")
+    err = sum(float(((d.double() - r.double()) ** 2).sum()) for d, r in zip(dev, ref))
+    den = sum(float((r.double() ** 2).sum()) for r in ref)
+    return safe_ratio(math.sqrt(err), math.sqrt(den))
 
 
 def tensor_metrics(g: torch.Tensor, t: torch.Tensor) -> dict[str, float]:

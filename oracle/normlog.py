@@ -28,6 +28,7 @@ from typing import Any
 
 from .bundle import BundleWriter
 from .errors import InputNotFound, LogParseError
+from .layers import generic_key
 
 DEFAULT_PATTERN = r"\[DEBUG_GRAD_NORM\]\[[^\]]*\]\s+(?P<name>\S+)\s+norm=(?P<value>[-+0-9.eEnaifNI]+)"
 
@@ -115,20 +116,8 @@ def write_norm_bundle(log: NormLog, out: str | Path, *, precision: str = "unknow
 
 # -- comparing two logs without ground truth ---------------------------------------------------
 def layer_of(name: str) -> tuple[tuple[int, int], str]:
-    """(backward-order key, layer label) from the name alone, for mcore or HF names."""
-    if m := re.search(r"(?:decoder\.layers|language_model\.layers|model\.layers)\.(\d+)\.", name):
-        return (2, -int(m[1])), f"layers.{m[1]}"
-    if re.search(r"output_layer|lm_head", name):
-        return (0, 0), "output_layer"
-    if re.search(r"final_layernorm|language_model\.norm\.", name):
-        return (1, 0), "final_norm"
-    if re.search(r"word_embeddings|embed_tokens", name):
-        return (3, 0), "embedding"
-    if m := re.search(r"blocks\.(\d+)\.", name):
-        return (5, -int(m[1])), f"visual.blocks.{m[1]}"
-    if "visual" in name:
-        return (4, 0), "visual"
-    return (6, 0), "other"
+    """(backward-order key, layer label) from the name alone (mcore or HF names), oracle/layers.py."""
+    return generic_key(name) or ((6, 0), "other")
 
 
 def kind_of(name: str) -> tuple[str, bool]:

@@ -37,6 +37,7 @@ way), the spread another accumulation order gives.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -45,7 +46,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 _aten = torch.ops.aten
 # The ops torch.autocast runs in the low-precision dtype (matmul family, convolutions, attention),
@@ -96,11 +96,10 @@ class PrecisionMode(TorchDispatchMode):
         self.round_to = round_to
         self.ops = ops
         self.promotions = 0
-        self.rounded_ops = 0
         self._gen = None
         if jitter_seed is not None and round_to is not None:
             self._gen = torch.Generator().manual_seed(jitter_seed)
-            p = MANTISSA_BITS[round_to]
+            p = -int(math.log2(torch.finfo(round_to).eps))  # stored mantissa bits: 7 bf16, 10 fp16, 23 fp32
             self._jitter = 2.0 ** -(p + 2) if round_to != compute else 2.0**-p
 
     # -- helpers ----------------------------------------------------------------------------
@@ -176,7 +175,6 @@ class PrecisionMode(TorchDispatchMode):
                 if isinstance(args[0], torch.Tensor) and args[0].dtype == self.compute:
                     args[0].copy_(self._round(args[0]))
                 return out
-            self.rounded_ops += 1
             return tree_map(self.mark_low, tree_map(self._round, tree_map(self._promote, func(*args, **kwargs))))
         if func.is_view or func._schema.is_mutable:
             out = func(*args, **kwargs)
@@ -189,7 +187,6 @@ class PrecisionMode(TorchDispatchMode):
         args, kwargs = tree_map(self._promote, (args, kwargs))
         rounds = self._rounds(func)
         if rounds:
-            self.rounded_ops += 1
             args, kwargs = tree_map(self._round, (args, kwargs))
         out = tree_map(self._promote, func(*args, **kwargs))
         if not rounds:

@@ -1,12 +1,11 @@
 """What a recipe provides, and how the engine finds one. See replays/README.md for the contract.
 
-The engine never imports a concrete model: recipes register themselves by name when the
-``replays`` package (or a package exposing the ``oracle.replays`` entry point) is imported.
+The engine never imports a concrete model: recipes are found through the ``oracle.replays``
+entry-point group, the built-in ones (``replays/``) declared in pyproject.toml like any plugin.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -68,55 +67,83 @@ class Recipe:
         """Named module selections for boundary capture: preset name -> regex over module names."""
         return {}
 
-    def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
-        """Group parameter names into layers ordered along the backward pass, loss end first."""
+    def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
+        """``((major, minor), label)`` of the layer ``name`` belongs to; sorting by the tuple walks
+        the backward pass from the loss end (oracle/layers.py groups with it). ``None``: unknown."""
         raise NotImplementedError
 
 
-_RECIPES: dict[str, Recipe] = {}
+# -- the registry -------------------------------------------------------------------------------
+# Recipes are plugins: each is declared under the ``oracle.replays`` entry-point group (the built-in
+# ones in this project's pyproject.toml, like any outside package's), ``name = "module:Class"``.
+# ``get(name)`` imports just that one. ``register`` adds a class in-process (tests, notebooks).
+GROUP = "oracle.replays"
+_LOADED: dict[str, Recipe] = {}
+_IN_PROCESS: dict[str, type[Recipe]] = {}
 
 
 def register(cls: type[Recipe]) -> type[Recipe]:
-    inst = cls()
-    _RECIPES[inst.name] = inst
+    """Register a recipe class in this process; a name already declared or registered is an error."""
+    if cls.name in _IN_PROCESS or cls.name in _declared():
+        raise RecipeError(f"a recipe named {cls.name!r} is already registered; recipe names must be unique")
+    _IN_PROCESS[cls.name] = cls
     return cls
 
 
-def _discover() -> None:
-    if _RECIPES:
-        return
-    try:
-        importlib.import_module("replays")
-    except ImportError:
-        pass
-    for ep in entry_points(group="oracle.replays"):
-        ep.load()
+def _declared() -> dict[str, Any]:
+    """Entry points by name; a name declared twice (two plugins) is an error naming both."""
+    eps: dict[str, Any] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in eps and eps[ep.name].value != ep.value:
+            raise RecipeError(f"recipe {ep.name!r} is declared twice: by {eps[ep.name].value} and by {ep.value}")
+        eps[ep.name] = ep
+    return eps
 
 
 def get(name: str) -> Recipe:
-    _discover()
-    if name not in _RECIPES:
-        raise RecipeError(f"no recipe named {name!r}; known recipes: {', '.join(sorted(_RECIPES)) or 'none'}")
-    return _RECIPES[name]
+    if name in _LOADED:
+        return _LOADED[name]
+    declared = _declared()
+    if name in _IN_PROCESS:
+        cls = _IN_PROCESS[name]
+    elif name in declared:
+        ep = declared[name]
+        try:
+            cls = ep.load()
+        except Exception as e:  # a broken plugin: name it, do not hide it
+            raise RecipeError(f"recipe {name!r} ({ep.value}) failed to import: {type(e).__name__}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, Recipe)) or cls.name != name:
+            raise RecipeError(f"entry point {name!r} = {ep.value} is not a Recipe subclass named {name!r}")
+    else:
+        raise RecipeError(f"no recipe named {name!r}; known recipes: {', '.join(names()) or 'none'}")
+    _LOADED[name] = cls()
+    return _LOADED[name]
+
+
+def names() -> list[str]:
+    return sorted(set(_declared()) | set(_IN_PROCESS))
+
+
+def all_recipes() -> list[Recipe]:
+    return [get(n) for n in names()]
 
 
 def for_model(spec: str) -> Recipe:
     """The recipe for ``--model SPEC``: an embedded name, or a local HF directory's config.json."""
     from pathlib import Path
 
-    _discover()
-    for r in _RECIPES.values():
+    for r in all_recipes():
         if spec in r.embedded:
             return r
     path = Path(spec)
     if not path.exists():
-        known = sorted(n for r in _RECIPES.values() for n in r.embedded)
+        known = sorted(n for r in all_recipes() for n in r.embedded)
         raise RecipeError(f"--model {spec!r} is neither an embedded model ({', '.join(known)}) nor an existing directory")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise RecipeError(f"{path} has no config.json; point --model at a Hugging Face model directory")
     hf_config = load_hf_config(cfg_file)
-    for r in _RECIPES.values():
+    for r in all_recipes():
         if r.accepts(hf_config):
             return r
     raise RecipeError(f"no recipe handles model_type {hf_config.get('model_type')!r} ({cfg_file})")
@@ -139,8 +166,3 @@ def load_hf_config(path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise RecipeError(f"{p} does not hold a JSON object")
     return cfg
-
-
-def names() -> list[str]:
-    _discover()
-    return sorted(_RECIPES)

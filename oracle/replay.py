@@ -26,39 +26,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import precision as precisions
 from . import recipe as recipes
 from .bundle import Bundle, BundleWriter
 from .capture import versions
 from .certify import finite_difference_certificate
-from .errors import BundleError, RecipeError
+from .errors import BundleError, RecipeError, UsageError
 from .numerics import PrecisionMode
 from .steps import build_model
 
-# dtype name -> (compute dtype, format rounded to, which ops are rounded)
-EMULATIONS: dict[str, tuple[torch.dtype, torch.dtype | None, str]] = {
-    "fp64": (torch.float64, None, "all"),
-    "fp32": (torch.float32, torch.float32, "all"),
-    "bf16": (torch.float32, torch.bfloat16, "all"),
-    "fp16": (torch.float32, torch.float16, "all"),
-    "amp-bf16": (torch.float32, torch.bfloat16, "amp"),
-    "amp-fp16": (torch.float32, torch.float16, "amp"),
-}
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
-
-
-def fingerprint(bundle: Bundle) -> dict[str, dict[str, str]]:
-    """value_sha256 of every input and weight: what makes two bundles "the same step"."""
-    if "fingerprint" in bundle.manifest:
-        return bundle.manifest["fingerprint"]
-    t = bundle.manifest.get("tensors", {})
-    return {g: {n: e["value_sha256"] for n, e in t.get(g, {}).items()} for g in ("inputs", "weights")}
-
-
-def capture_device(b: Bundle) -> str:
-    """Device type the step was captured on (selects autocast's float32 op list when emulating)."""
-    return (
-        ((b.get("device") or {}).get("type")) if b.get("kind") == "capture" else ((b.get("source") or {}).get("device") or "cuda")
-    )
 
 
 def _recipe_of(cap: Bundle):
@@ -76,13 +53,13 @@ def run_step(
     """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss.
     ``instrument(model)`` runs before the forward (hooks for rank views and boundary records)."""
     recipe = _recipe_of(cap)
-    compute, round_to, ops = EMULATIONS[dtype]
+    compute, round_to, ops = precisions.emulation(dtype)
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
-    mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=capture_device(cap))
+    mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
     if instrument is not None:
         instrument(model)
     torch.manual_seed(0)
@@ -113,10 +90,9 @@ def replay(
     overwrite: bool = False,
     progress: bool = False,
 ) -> Path:
-    if dtype not in EMULATIONS:
-        raise RecipeError(f"--dtype {dtype!r} is not one of {', '.join(EMULATIONS)}")
+    precisions.get(dtype)
     if ensemble < 1:
-        raise RecipeError("--ensemble must be at least 1")
+        raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
@@ -126,15 +102,15 @@ def replay(
         "precision": dtype,
         "device": {"type": "cpu", "torch_threads": torch.get_num_threads()},
         "versions": versions(),
-        "source": {"path": str(cap.path), "kind": cap.kind, "precision": cap.get("precision"), "device": capture_device(cap)},
-        "fingerprint": fingerprint(cap),
+        "source": {"path": str(cap.path), "kind": cap.kind, "precision": cap.get("precision"), "device": cap.capture_device()},
+        "fingerprint": cap.fingerprint(),
         "captured_loss": cap.get("loss"),
     }
     if cap.get("megatron"):
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
     if dtype == "fp64":
         if ensemble != 1:
-            raise RecipeError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+            raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
         model, inputs, loss, mode = run_step(cap, dtype)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         n_params = sum(p.numel() for p in model.parameters())
@@ -164,7 +140,7 @@ def replay(
             w.add("grads", grads)
         return Path(out)
 
-    compute, round_to, ops = EMULATIONS[dtype]
+    compute, round_to, ops = precisions.emulation(dtype)
     with BundleWriter(out, "emulation", overwrite=overwrite) as w:
         losses = []
         for k in tqdm(range(ensemble), desc=f"emulating {dtype}", disable=not progress):
@@ -185,9 +161,3 @@ def replay(
             seconds=round(time.perf_counter() - t0, 3),
         )
     return Path(out)
-
-
-def member_groups(bundle: Bundle) -> list[str]:
-    """The gradient groups of an emulation bundle (or the single ``grads`` of any other)."""
-    k = int(bundle.get("members", 1))
-    return ["grads"] + [f"grads.{i}" for i in range(1, k)]

@@ -28,16 +28,15 @@ With several captures, per layer and overall: which one is closer to the truth.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from . import recipe as recipes
 from .bundle import Bundle
 from .certify import FD_WARN
-from .errors import BundleError, MismatchError, RecipeError
+from .errors import BundleError, MismatchError
+from .layers import group as group_layers
 from .metrics import aggregate, global_scale, tensor_metrics
-from .replay import fingerprint, member_groups
 from .tolerance import MARGIN, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
@@ -49,7 +48,7 @@ def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
     checked (a norm log has no tensors; an msprobe import has weights but not the inputs)."""
     if other.kind == "norms":
         return ["inputs", "weights"]
-    a, b = fingerprint(oracle), fingerprint(other)
+    a, b = oracle.fingerprint(), other.fingerprint()
     problems = []
     unverified = [g for g in ("inputs", "weights") if not b.get(g)]
     for group in ("inputs", "weights"):
@@ -75,24 +74,10 @@ def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
 
 
 def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
+    """The recipe's layer key where the oracle names a registered recipe, else names alone."""
     rec = (oracle.get("recipe") or {}).get("name")
-    if rec:
-        try:
-            return recipes.get(rec).layers(names, oracle.manifest["recipe"].get("config", {}))
-        except RecipeError:
-            pass
-    return fallback_layers(names)
-
-
-def fallback_layers(names: list[str]) -> list[tuple[str, list[str]]]:
-    """No recipe: a layer is the name up to its first index (``...layers.3``), else its module;
-    the backward order is taken as the reverse of registration order."""
-    groups: dict[str, list[str]] = {}
-    for n in names:
-        m = re.match(r"^(.*?\.\d+)\.", n)
-        label = m[1] if m else n.rsplit(".", 1)[0]
-        groups.setdefault(label, []).append(n)
-    return list(reversed(list(groups.items())))
+    key = recipes.get(rec).layer_key if rec and rec in recipes.names() else None
+    return group_layers(names, key)
 
 
 def _pick_band(bands: list[Bundle], precision: str | None) -> Bundle | None:
@@ -151,7 +136,7 @@ def score(
     for p in pnames:
         t = oracle.load("grads", p)
         for b in bands:
-            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in member_groups(b) if b.has(g, p)]
+            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in b.member_groups() if b.has(g, p)]
         for plan in plans:
             c = plan["bundle"]
             if plan["norms"] is not None:

@@ -14,7 +14,7 @@ from .capture import Capture
 from .errors import RecipeError
 from .modules import ModuleRecorder, select
 from .numerics import PrecisionMode
-from .precision import policy
+from .precision import capture_policy, torch_dtype
 from .recipe import ModelSource, Recipe
 
 
@@ -72,9 +72,9 @@ def capture_recipe_step(
     with it; users can attach their own hooks).
     """
     torch.manual_seed(seed)
-    pol = policy(precision)
+    pol = capture_policy(precision)
     recipe = source.recipe
-    model = build_model(recipe, source.config, source.weights, pol.param_dtype)
+    model = build_model(recipe, source.config, source.weights, torch_dtype(pol.param_dtype))
     inputs = recipe.prepare_inputs(source, model, sample)
     dev = torch.device(device)
     model.to(dev)

@@ -1,16 +1,11 @@
-"""One tolerance table keyed by the capture's precision, with the reasoning next to each entry.
+"""The tolerance table keyed by the capture's precision, derived from the precision table.
 
 A measured noise band (``oracle score --band``) always wins over this table. The table is the
-fallback when no emulated run of the step exists, and supplies two constants the band needs.
+fallback when no emulated run of the step exists, and supplies two constants the band needs:
 
-    expected  -- relative L2 gradient error an honest run of that precision reaches on a small
-                 transformer step. u is the unit roundoff (2^-8 bf16, 2^-11 fp16, 2^-24 fp32); an
-                 end-to-end gradient goes through O(10) rounded ops per layer whose errors add
-                 like a random walk, so a few u is typical: bf16 ~3u..10u = 1e-2..4e-2 (measured on
-                 tiny Qwen3-VL: median 1.1e-2 for autocast bf16), fp32 ~10u..100u, well under the
-                 1e-4 we require of an fp32 capture.
-    floor     -- smallest band accepted per parameter (u/4): a parameter whose emulated error
-                 happens to be ~0 would otherwise make any honest deviation look infinite.
+    expected  -- relative L2 gradient error an honest run of that precision reaches (the reasoning
+                 for each entry is in precision.py, next to the entry);
+    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``);
     margin    -- error / band_upper above which a parameter or layer is ``beyond_noise``. The band
                  upper is the max over K emulated members; an honest run lands within ~1.5x of it
                  (measured: real autocast vs emulated bf16 median ratio 0.9), so 3x leaves room
@@ -22,36 +17,35 @@ amp-bf16:expected=0.03``, ``--margin 3``).
 
 from __future__ import annotations
 
-import copy
+from .errors import UsageError
+from .precision import TABLE, UNKNOWN
 
-U = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-24, "fp64": 2.0**-53}
-
-TOLERANCES: dict[str, dict[str, float]] = {
-    "fp64": {"expected": 1e-10, "floor": U["fp64"] / 4},
-    "fp32": {"expected": 1e-5, "floor": U["fp32"] / 4},
-    "bf16": {"expected": 4e-2, "floor": U["bf16"] / 4},
-    "amp-bf16": {"expected": 3e-2, "floor": U["bf16"] / 4},
-    "fp16": {"expected": 5e-3, "floor": U["fp16"] / 4},
-    "amp-fp16": {"expected": 4e-3, "floor": U["fp16"] / 4},
-    "unknown": {"expected": 4e-2, "floor": U["bf16"] / 4},
-}
 MARGIN = 3.0
+FIELDS = ("expected", "floor")
 
 
 def table(overrides: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
-    t = copy.deepcopy(TOLERANCES)
+    t = {p.name: {"expected": p.expected, "floor": p.floor} for p in (*TABLE.values(), UNKNOWN)}
     for key, vals in (overrides or {}).items():
-        t.setdefault(key, dict(t["unknown"])).update(vals)
+        t.setdefault(key, dict(t[UNKNOWN.name])).update(vals)
     return t
 
 
-def parse_override(spec: str) -> tuple[str, str, float]:
-    """``amp-bf16:expected=0.03`` -> ("amp-bf16", "expected", 0.03)."""
-    try:
-        key, rest = spec.split(":", 1)
-        field, value = rest.split("=", 1)
-        if field not in ("expected", "floor"):
-            raise ValueError
-        return key, field, float(value)
-    except ValueError:
-        raise ValueError(f"--tol {spec!r}: expected PRECISION:expected=VALUE or PRECISION:floor=VALUE") from None
+def row(tol: dict[str, dict[str, float]], precision: str | None) -> dict[str, float]:
+    """The entry for ``precision``; runs of unknown precision are held to the ``unknown`` entry."""
+    return tol.get(precision or UNKNOWN.name, tol[UNKNOWN.name])
+
+
+def parse_overrides(specs: list[str]) -> dict[str, dict[str, float]]:
+    """``["amp-bf16:expected=0.03", ...]`` -> ``{"amp-bf16": {"expected": 0.03}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs:
+        try:
+            key, rest = spec.split(":", 1)
+            field, value = rest.split("=", 1)
+            if field not in FIELDS:
+                raise ValueError
+            out.setdefault(key, {})[field] = float(value)
+        except ValueError:
+            raise UsageError(f"--tol {spec!r}: expected PRECISION:expected=VALUE or PRECISION:floor=VALUE") from None
+    return out

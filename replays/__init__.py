@@ -1,3 +1,1 @@
-"""Model-family recipes. Importing this package registers every recipe with ``oracle.recipe``."""
-
-from . import qwen3, qwen3_vl  # noqa: F401
+"""Model-family recipes, declared as ``oracle.replays`` entry points in pyproject.toml (see README.md)."""

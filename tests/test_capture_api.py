@@ -5,7 +5,7 @@ import torch
 
 import oracle
 from oracle.bundle import Bundle
-from oracle.errors import RecipeError
+from oracle.errors import RecipeError, UsageError
 from oracle.score import score
 
 
@@ -49,14 +49,30 @@ def test_nothing_is_written_when_the_step_raises(tmp_path):
 
 
 def test_a_capture_without_recipe_can_be_scored_but_not_replayed(tmp_path):
+    """A plain module's capture scores against a float64 truth written by hand; replay needs a recipe."""
+    torch.manual_seed(0)
     model = Tiny()
+    x = torch.randn(4, 3)
     with oracle.Capture(model, tmp_path / "c"):
-        model(torch.randn(2, 3)).sum().backward()
+        model(x).sum().backward()
+    truth = Tiny().double()
+    truth.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    truth(x.double()).sum().backward()
+    with oracle.BundleWriter(tmp_path / "o", "oracle") as w:
+        w.manifest.update(recipe={"name": None, "config": {}}, precision="fp64", loss={"value": 0.0})
+        w.add("inputs", {"arg0": x})
+        w.add("weights", {n: p.detach() for n, p in model.named_parameters()})
+        w.add("grads", {n: p.grad for n, p in truth.named_parameters()})
+    res = score(tmp_path / "o", [tmp_path / "c"])
+    cap = res["captures"][0]
+    assert {r["name"] for r in cap["params"]} == {n for n, _ in model.named_parameters()}
+    assert [lr["name"] for lr in cap["layers"]] == ["b", "a"]  # no recipe: reverse registration order
+    assert cap["verdict"]["class"] == "within_noise" and 0 < cap["verdict"]["worst_rel_l2"] < 1e-6
     from oracle.replay import replay
 
     with pytest.raises(RecipeError, match="names no recipe"):
-        replay(tmp_path / "c", tmp_path / "o")
-    with pytest.raises(RecipeError, match="unknown precision"):
+        replay(tmp_path / "c", tmp_path / "o2")
+    with pytest.raises(UsageError, match="unknown precision"):
         oracle.Capture(model, tmp_path / "d", precision="fp8")
 
 

@@ -75,7 +75,7 @@ def test_emulated_replay_writes_an_ensemble(band):
 
 
 def test_replay_refuses_unknown_dtype(fp32_capture, tmp_path):
-    from oracle.errors import RecipeError
+    from oracle.errors import UsageError
 
-    with pytest.raises(RecipeError, match="--dtype"):
+    with pytest.raises(UsageError, match="unknown precision 'fp8'"):
         replay(fp32_capture, tmp_path / "x", dtype="fp8")

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..bundle import BundleWriter
 from ..capture import describe_device, gradient_of, versions
+from ..precision import name_of_param_dtype
 
 STAGES = ("pre-finalize", "post-finalize")
 _CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -92,7 +93,7 @@ def capture_rank(
     with BundleWriter(path, "capture", overwrite=overwrite) as w:
         w.manifest.update(
             recipe={"name": None, "config": {}},
-            precision=precision or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype)),
+            precision=precision or name_of_param_dtype(dtype),
             device=describe_device(next(iter(params.values())).device),
             versions=versions(),
             loss={"value": loss, "reduction": reduction, "num_tokens": num_tokens},

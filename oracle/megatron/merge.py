@@ -21,7 +21,6 @@ import torch
 from .. import recipe as recipes
 from ..bundle import Bundle, BundleWriter
 from ..errors import BundleError, MismatchError
-from ..replay import fingerprint
 from .layout import HEAD_NORM_RX, Heads, kind_of, merge_tensor
 from .names import NameMap, strip_wrappers
 
@@ -77,9 +76,9 @@ def _check_ranks(bundles: list[Bundle]) -> tuple[list[Bundle], dict[str, Any]]:
     if missing:
         raise BundleError(f"TP size is {tp} but the captures of TP rank(s) {missing} are missing; pass every rank's bundle")
     ranks = [chosen[r] for r in range(tp)]
-    fp = fingerprint(ranks[0])["inputs"]
+    fp = ranks[0].fingerprint()["inputs"]
     for b in ranks[1:]:
-        if fingerprint(b)["inputs"] != fp:
+        if b.fingerprint()["inputs"] != fp:
             raise MismatchError(f"{b.path} saw another batch than {ranks[0].path}: TP ranks of one step share the batch")
     return ranks, {"stage": stage, "tp": tp, "meta": metas[0]}
 

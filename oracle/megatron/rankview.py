@@ -28,6 +28,7 @@ import torch
 
 from ..bundle import Bundle
 from ..errors import BundleError
+from ..metrics import rel_l2
 from ..numerics import PrecisionMode
 from ..replay import run_step
 from .layout import HEAD_NORM_RX, Heads, shard_of
@@ -122,7 +123,7 @@ def compare_rank(view: dict[str, torch.Tensor], rank_bundle: str | Path) -> dict
         if n in view:
             g, t = b.load("grads", n).double(), view[n]
             ok = torch.isfinite(t)
-            out[n] = float((g[ok] - t[ok]).norm() / t[ok].norm()) if float(t[ok].norm()) > 0 else float((g[ok]).norm())
+            out[n] = rel_l2(g[ok], t[ok])
     return out
 
 

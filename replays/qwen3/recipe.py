@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +11,24 @@ from torch import nn
 
 from oracle.errors import RecipeError
 from oracle.loss import causal_lm_loss, masked_token_loss
-from oracle.recipe import ModelSource, Recipe, register
+from oracle.recipe import ModelSource, Recipe
 from oracle.weights import SafetensorsDir
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+def text_layer_key(name: str, prefix: str) -> tuple[tuple[int, int], str] | None:
+    """Backward order of a Qwen3 decoder whose modules sit under ``prefix`` (``model.`` for Qwen3,
+    ``model.language_model.`` for Qwen3-VL): lm_head, final norm, layers last to first, embeddings."""
+    if name.startswith("lm_head."):
+        return (0, 0), "lm_head"
+    if name.startswith(prefix + "norm."):
+        return (1, 0), "norm"
+    if name.startswith(prefix + "layers."):
+        i = int(name[len(prefix) + 7 :].split(".", 1)[0])
+        return (2, -i), f"layers.{i}"
+    if name.startswith(prefix + "embed_tokens."):
+        return (3, 0), "embed_tokens"
+    return None
+
 
 # mcore name (without DDP "module." prefixes) -> HF name; {i} is the layer index.
 MEGATRON_NAMES = {
@@ -35,7 +48,6 @@ MEGATRON_NAMES = {
 }
 
 
-@register
 class Qwen3Recipe(Recipe):
     name = "qwen3"
     embedded = ()
@@ -73,20 +85,5 @@ class Qwen3Recipe(Recipe):
     def boundaries(self) -> dict[str, str]:
         return {"layers": r"^model\.layers\.\d+$", "head": r"^lm_head$"}
 
-    def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
-        def key(n: str):
-            if n.startswith("lm_head."):
-                return (0, 0), "lm_head"
-            if n.startswith("model.norm."):
-                return (1, 0), "norm"
-            if m := _LAYER.match(n):
-                return (2, -int(m[1])), f"layers.{m[1]}"
-            if n.startswith("model.embed_tokens."):
-                return (3, 0), "embed_tokens"
-            return (4, 0), "other"
-
-        groups: dict[str, tuple] = {}
-        for n in names:
-            k, lab = key(n)
-            groups.setdefault(lab, (k, []))[1].append(n)
-        return [(lab, ns) for lab, (k, ns) in sorted(groups.items(), key=lambda kv: kv[1][0])]
+    def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
+        return text_layer_key(name, "model.")

@@ -12,14 +12,14 @@ from torch import nn
 
 from oracle.errors import RecipeError
 from oracle.loss import causal_lm_loss
-from oracle.recipe import ModelSource, Recipe, register
+from oracle.recipe import ModelSource, Recipe
 from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
+from replays.qwen3.recipe import MEGATRON_NAMES, text_layer_key
 
 from . import flavors
 from .inputs import build_inputs
 
-_LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
 _BLOCK = re.compile(r"^model\.visual\.blocks\.(\d+)\.")
 _DEEP = re.compile(r"^model\.visual\.deepstack_merger_list\.(\d+)\.")
 SAMPLE = Path(__file__).with_name("sample.jsonl")
@@ -28,15 +28,12 @@ SAMPLE = Path(__file__).with_name("sample.jsonl")
 def _vl_megatron_names() -> dict[str, str]:
     """ms-swift's mcore Qwen3-VL: the language model under ``language_model.``, the HF vision
     tower kept whole under ``visual.visual.`` (not TP-split in ms-swift 3.12)."""
-    from replays.qwen3.recipe import MEGATRON_NAMES
-
     names = {f"language_model.{mc}": hf.replace("model.", "model.language_model.", 1) if hf.startswith("model.") else hf
              for mc, hf in MEGATRON_NAMES.items()}  # fmt: skip
     names["visual.visual.{rest}"] = "model.visual.{rest}"
     return names
 
 
-@register
 class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
@@ -111,37 +108,20 @@ class Qwen3VLRecipe(Recipe):
             ]),
         }  # fmt: skip
 
-    def layers(self, names: list[str], config: dict[str, Any]) -> list[tuple[str, list[str]]]:
-        """Backward order: lm_head, final norm, decoder layers last to first, embeddings, then the
-        vision tower from its merger back to the patch embedding (deepstack mergers before the
-        blocks they read from)."""
-
-        def key(name: str) -> tuple[tuple[int, int], str]:
-            if name.startswith("lm_head."):
-                return (0, 0), "lm_head"
-            if name.startswith("model.language_model.norm."):
-                return (1, 0), "norm"
-            if m := _LAYER.match(name):
-                i = int(m[1])
-                return (2, -i), f"layers.{i}"
-            if name.startswith("model.language_model.embed_tokens."):
-                return (3, 0), "embed_tokens"
-            if name.startswith("model.visual.merger."):
-                return (4, 0), "visual.merger"
-            if m := _DEEP.match(name):
-                j = int(m[1])
-                return (5, -j), f"visual.deepstack_merger_list.{j}"
-            if m := _BLOCK.match(name):
-                i = int(m[1])
-                return (6, -i), f"visual.blocks.{i}"
-            if name.startswith("model.visual.pos_embed."):
-                return (7, 0), "visual.pos_embed"
-            if name.startswith("model.visual.patch_embed."):
-                return (8, 0), "visual.patch_embed"
-            return (9, 0), "other"
-
-        groups: dict[str, tuple[tuple[int, int], list[str]]] = {}
-        for n in names:
-            k, label = key(n)
-            groups.setdefault(label, (k, []))[1].append(n)
-        return [(label, ns) for label, (k, ns) in sorted(groups.items(), key=lambda kv: kv[1][0])]
+    def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
+        """Backward order: the language model (lm_head, final norm, layers last to first,
+        embeddings), then the vision tower from its merger back to the patch embedding
+        (deepstack mergers before the blocks they read from)."""
+        if k := text_layer_key(name, "model.language_model."):
+            return k
+        if name.startswith("model.visual.merger."):
+            return (4, 0), "visual.merger"
+        if m := _DEEP.match(name):
+            return (5, -int(m[1])), f"visual.deepstack_merger_list.{m[1]}"
+        if m := _BLOCK.match(name):
+            return (6, -int(m[1])), f"visual.blocks.{m[1]}"
+        if name.startswith("model.visual.pos_embed."):
+            return (7, 0), "visual.pos_embed"
+        if name.startswith("model.visual.patch_embed."):
+            return (8, 0), "visual.patch_embed"
+        return None
