@@ -17,7 +17,8 @@ With ``modules=[names]`` each named module's boundary tensors are recorded too (
 On a clean exit the bundle holds the inputs (first forward call only), every parameter's value
 as held by the model, every parameter's gradient (``main_grad`` where it exists, else ``.grad``)
 in its own dtype, and the loss. Hooks are removed in every case; nothing is written if the block
-raises. Tensors are copied to CPU one at a time while writing, never all at once.
+raises. Tensors are written in shards (BundleWriter.add_stream): at most one shard is held on the
+CPU beyond the model itself.
 """
 
 from __future__ import annotations

@@ -11,35 +11,13 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import json
-import math
 from pathlib import Path
 from typing import Any
 
+from .jsonio import write_json
+
 CSV_FIELDS = ["capture", "precision", "name", "layer", "rel_l2", "cosine", "norm_ratio", "max_abs",
               "frac_rel_gt_1e-3", "nonfinite", "band", "excess", "class"]  # fmt: skip
-
-
-def write_json(result: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=1, default=_json_default))
-
-
-def _json_default(x):
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
-
-
-def _finite(x):
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
-def _clean(obj):
-    if isinstance(obj, float):
-        return _finite(obj)
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -80,7 +58,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(_clean(result), out / "score.json")
+    write_json(result, out / "score.json")
     with open(out / "params.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()

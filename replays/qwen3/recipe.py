@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -12,7 +13,12 @@ from torch import nn
 from oracle.errors import RecipeError
 from oracle.loss import causal_lm_loss, masked_token_loss
 from oracle.recipe import ModelSource, Recipe
+from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
+
+from . import flavors
+
+SAMPLE = Path(__file__).with_name("sample.jsonl")
 
 
 def text_layer_key(name: str, prefix: str) -> tuple[tuple[int, int], str] | None:
@@ -50,7 +56,7 @@ MEGATRON_NAMES = {
 
 class Qwen3Recipe(Recipe):
     name = "qwen3"
-    embedded = ()
+    embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
@@ -65,12 +71,42 @@ class Qwen3Recipe(Recipe):
         return Qwen3ForCausalLM(cfg)
 
     def load(self, spec: str) -> ModelSource:
+        from replays import tiny
+
+        if spec in flavors.FLAVORS:
+            config = json.loads(json.dumps(flavors.FLAVORS[spec]))
+            weights = tiny.tiny_weights(self.build, config)
+            return ModelSource(self, config, weights, origin=f"embedded:{spec}",
+                               extra={"tokenizer": tiny.tiny_tokenizer(), "special_ids": tiny.SPECIAL_IDS})  # fmt: skip
         path = Path(spec)
         config = json.loads((path / "config.json").read_text())
-        return ModelSource(self, config, SafetensorsDir(path), origin=str(path))
+        extra: dict[str, Any] = {}
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise RecipeError(f"{path}: cannot load the tokenizer ({e})") from e
+            extra = {"tokenizer": tok, "special_ids": {t: tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}}
+        return ModelSource(self, config, SafetensorsDir(path), origin=str(path), extra=extra)
 
     def default_sample(self) -> dict[str, Any]:
-        raise RecipeError("the qwen3 recipe has no embedded sample; it replays Megatron captures (oracle merge)")
+        return read_sample(str(SAMPLE))
+
+    def prepare_inputs(self, source: ModelSource, model: nn.Module, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Qwen's chat format, labels on the assistant turns (the same tokenisation as Qwen3-VL's, with
+        no image): input_ids (1, T), labels (1, T), position_ids (1, T)."""
+        from replays.qwen3_vl.inputs import build_inputs
+
+        if "tokenizer" not in source.extra:
+            raise RecipeError(f"{source.origin} has no tokenizer files; a sample cannot be tokenised for it")
+        if sample.get("images"):
+            raise RecipeError("qwen3 is a text model but the sample has images; use a Qwen3-VL model")
+        no_images = SimpleNamespace(merge_size=1)  # never called: the sample has no image
+        out = build_inputs(sample, source.extra["tokenizer"], no_images, model, source.extra["special_ids"])
+        out["position_ids"] = out["position_ids"][0].contiguous()  # text only: the three mRoPE rows are equal
+        return out
 
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         ids = inputs["tokens"] if "tokens" in inputs else inputs["input_ids"]
