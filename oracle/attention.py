@@ -10,7 +10,7 @@ What is computed, in which dtype
   the diagonal, other samples) are never computed, so the cost follows the real work.
 
 Forward (FlashAttention-2 recurrence), per sample, per query chunk Q_i, over key chunks K_j:
-    S   = Q_i K_j^T * scale                         (masked entries -> -inf)
+    S   = (Q_i * scale) K_j^T                       (masked entries -> -inf)
     m'  = max(m, rowmax S);  P = exp(S - m')
     l   = l * exp(m - m') + rowsum P
     acc = acc * exp(m - m') + P V_j;  m = m'
@@ -18,9 +18,10 @@ Forward (FlashAttention-2 recurrence), per sample, per query chunk Q_i, over key
 Backward, recomputing S chunk by chunk from q, k, v and lse (nothing T x T is stored):
     P = exp(S - lse);  Dlt_i = rowsum(dO_i * O_i)
     dV_j += P^T dO_i;  dP = dO_i V_j^T;  dS = P * (dP - Dlt_i)
-    dQ_i += dS K_j * scale;  dK_j += dS^T Q_i * scale
-GQA: the ``H / Hkv`` query heads of one key/value head are processed together against that
-head's K_j, V_j (broadcast per chunk; the repeated k/v of all heads never exist).
+    dQ_i += dS K_j (times scale once at the end);  dK_j += dS^T (Q_i * scale)
+GQA: q is laid out once as (B, Hkv, T, H/Hkv, D), so a chunk of queries of the H/Hkv heads that
+share a key/value head is one (chunk_q * H/Hkv, D) matrix against that head's K_j, V_j: the
+repeated k/v of transformers' repeat_kv never exist, and no block is copied.
 
 Difference from unchunked attention: the same sums in another order, and the softmax
 normalisation applied once at the end instead of to every probability. Each output element is
@@ -28,9 +29,9 @@ within a few ulp of the dtype times (sum |p v| / |sum p v|) of eager attention i
 dtype; measured against eager float64: ~1e-16 relative (tests/test_attention.py asserts
 <= 1e-13 for outputs and gradients). Not bitwise.
 
-Memory: per step one (B, Hkv, H/Hkv, chunk_q, chunk_k) score block (and its probabilities),
-plus O(T x D) accumulators; the backward adds dK, dV (the size of k, v). With chunk 512 and
-32 heads a float64 score block is 64 MiB.
+Memory: one (B, Hkv, chunk_q * H/Hkv, chunk_k) score block at a time (two in the backward: P
+and dS), plus O(T x H x D) accumulators; the backward adds dQ, dK, dV (the size of q, k, v).
+With chunk 512 and 32 query heads a float64 score block is 64 MiB.
 
 transformers: ``register()`` adds ``NAME`` ("oracle_chunked") to ``AttentionInterface`` and to
 ``AttentionMaskInterface`` (a mask function that builds no mask: it checks the pattern asked
@@ -86,72 +87,80 @@ def _blocks(seg, causal: bool, cq: int, ck: int):
         yield i0, i1, ks
 
 
-def _causal_fill(s: torch.Tensor, i0: int, i1: int, j0: int, j1: int, value: float) -> torch.Tensor:
-    qi = torch.arange(i0, i1, device=s.device).view(-1, 1)  # (tq, 1)
-    kj = torch.arange(j0, j1, device=s.device).view(1, -1)  # (1, sk)
-    return s.masked_fill(kj > qi, value)  # broadcast over (B, Hkv, g)
+def _causal_fill_(s: torch.Tensor, g: int, i0: int, i1: int, j0: int, j1: int, value: float) -> torch.Tensor:
+    """In place: entries of a (B, Hkv, tq*g, sk) block whose key comes after its query -> value."""
+    qi = torch.arange(i0, i1, device=s.device).view(-1, 1, 1)  # (tq, 1, 1)
+    kj = torch.arange(j0, j1, device=s.device).view(1, 1, -1)  # (1, 1, sk)
+    s.view(*s.shape[:2], i1 - i0, g, j1 - j0).masked_fill_(kj > qi, value)  # rows are (query, head of the group)
+    return s
+
+
+def _grouped(q: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B, H, T, D) -> (B, Hkv, T, g, D), contiguous: a chunk of queries of all g heads sharing a kv
+    head is then one (tq*g, D) matrix against that head's keys (no repeated k/v, no copy per block)."""
+    B, H, T, D = q.shape
+    return q.view(B, Hkv, H // Hkv, T, D).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, T, g, D) -> (B, H, T, D): head h = kv head h // g, as transformers' repeat_kv."""
+    B, Hkv, T, g, D = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(B, Hkv * g, T, D)
 
 
 def _forward(q, k, v, cu, causal, scale, cq, ck):
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
-    qg = q.view(B, Hkv, g, T, D)  # (B, Hkv, g, T, D): the query heads of each kv head together
-    out = torch.zeros(B, Hkv, g, T, v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hkv, g, T), -math.inf, dtype=q.dtype, device=q.device)
+    qg = _grouped(q, Hkv) * scale  # (B, Hkv, T, g, D), a new tensor (never scale q in place): S = (q * scale) k^T
+    out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
     for seg in _segments(cu, causal, T, S):
         for i0, i1, ks in _blocks(seg, causal, cq, ck):
-            qi = qg[:, :, :, i0:i1]  # (B, Hkv, g, tq, D)
-            m = torch.full(qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)  # (B, Hkv, g, tq)
+            qi = qg[:, :, i0:i1].reshape(B, Hkv, (i1 - i0) * g, D)  # (B, Hkv, tq*g, D), a view
+            m = torch.full(qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)  # (B, Hkv, tq*g)
             lsum = torch.zeros_like(m)
             acc = torch.zeros(*qi.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
             for j0, j1, needs_mask in ks:
-                kj = k[:, :, None, j0:j1]  # (B, Hkv, 1, sk, D)
-                vj = v[:, :, None, j0:j1]
-                s = torch.matmul(qi, kj.transpose(-1, -2)) * scale  # (B, Hkv, g, tq, sk)
+                s = torch.matmul(qi, k[:, :, j0:j1].transpose(-1, -2))  # (B, Hkv, tq*g, sk)
                 if needs_mask:
-                    s = _causal_fill(s, i0, i1, j0, j1, -math.inf)
+                    _causal_fill_(s, g, i0, i1, j0, j1, -math.inf)
                 m_new = torch.maximum(m, s.amax(-1))  # finite: every row sees its first key
-                p = torch.exp(s - m_new.unsqueeze(-1))
+                p = s.sub_(m_new.unsqueeze(-1)).exp_()  # P = exp(S - m'), in place of S
                 alpha = torch.exp(m - m_new)
-                lsum = lsum * alpha + p.sum(-1)
-                acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, vj)
+                lsum = lsum.mul_(alpha).add_(p.sum(-1))
+                acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, j0:j1]))
                 m = m_new
-            out[:, :, :, i0:i1] = acc / lsum.unsqueeze(-1)
-            lse[:, :, :, i0:i1] = m + torch.log(lsum)
-    return out.view(B, H, T, -1), lse.view(B, H, T)
+            out[:, :, i0:i1] = (acc / lsum.unsqueeze(-1)).view(B, Hkv, i1 - i0, g, -1)
+            lse[:, :, i0:i1] = (m + torch.log(lsum)).view(B, Hkv, i1 - i0, g)
+    return _ungrouped(out), lse  # (B, H, T, Dv), (B, Hkv, T, g)
 
 
 def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck):
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
-    qg, dog = q.view(B, Hkv, g, T, D), dout.reshape(B, Hkv, g, T, -1)
-    lseg = lse.view(B, Hkv, g, T)
-    delta = (dout * out).sum(-1).view(B, Hkv, g, T)  # (B, Hkv, g, T): rowsum(dO * O)
+    qg, dog = _grouped(q, Hkv) * scale, _grouped(dout, Hkv)  # (B, Hkv, T, g, D); q * scale as in the forward
+    delta = (dog * _grouped(out, Hkv)).sum(-1)  # (B, Hkv, T, g): rowsum(dO * O)
     dq = torch.zeros_like(qg)
-    dk = torch.zeros_like(k)
+    dk = torch.zeros_like(k)  # dS^T (q * scale): already scaled
     dv = torch.zeros_like(v)
     for seg in _segments(cu, causal, T, S):
         for i0, i1, ks in _blocks(seg, causal, cq, ck):
-            qi, doi = qg[:, :, :, i0:i1], dog[:, :, :, i0:i1]  # (B, Hkv, g, tq, D)
-            li, di = lseg[:, :, :, i0:i1].unsqueeze(-1), delta[:, :, :, i0:i1].unsqueeze(-1)
-            dqi = torch.zeros_like(qi)
+            n = (i1 - i0) * g
+            qi, doi = qg[:, :, i0:i1].reshape(B, Hkv, n, D), dog[:, :, i0:i1].reshape(B, Hkv, n, -1)  # (B, Hkv, tq*g, D)
+            li, di = lse[:, :, i0:i1].reshape(B, Hkv, n, 1), delta[:, :, i0:i1].reshape(B, Hkv, n, 1)
+            dqi = dq[:, :, i0:i1].view(B, Hkv, n, D)
             for j0, j1, needs_mask in ks:
-                kj = k[:, :, None, j0:j1]  # (B, Hkv, 1, sk, D)
-                vj = v[:, :, None, j0:j1]
-                s = torch.matmul(qi, kj.transpose(-1, -2)) * scale  # (B, Hkv, g, tq, sk)
-                p = torch.exp(s - li)
+                kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, sk, D)
+                p = torch.matmul(qi, kj.transpose(-1, -2)).sub_(li).exp_()  # (B, Hkv, tq*g, sk)
                 if needs_mask:
-                    p = _causal_fill(p, i0, i1, j0, j1, 0.0)
-                # sums over the g query heads of a kv head and over the chunk's queries at once
-                dv[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", p, doi)
-                dp = torch.matmul(doi, vj.transpose(-1, -2))  # (B, Hkv, g, tq, sk)
-                ds = p * (dp - di)
-                dqi += torch.matmul(ds, kj) * scale
-                dk[:, :, j0:j1] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qi) * scale
-            dq[:, :, :, i0:i1] = dqi
-    return dq.view(B, H, T, D), dk, dv
+                    _causal_fill_(p, g, i0, i1, j0, j1, 0.0)
+                dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), doi)  # sums over queries and the g heads
+                ds = torch.matmul(doi, vj.transpose(-1, -2)).sub_(di).mul_(p)  # dS = P * (dP - Dlt)
+                dqi += torch.matmul(ds, kj)
+                dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qi)
+    return _ungrouped(dq.mul_(scale)), dk, dv
 
 
 class _ChunkedAttention(torch.autograd.Function):

@@ -68,6 +68,14 @@ def test_chunk_divides_sequence():
     assert rel(out, eager(q, k, v, True, [0, 16, 32])) <= 1e-13
 
 
+def test_inputs_are_not_modified():
+    """q, k, v are read only (one key/value head per query head: the grouped layout is then q itself)."""
+    q, k, v = qkv(1, 2, 2, 9, 4)
+    before = [t.detach().clone() for t in (q, k, v)]
+    chunked_attention(q, k, v, causal=True, chunk_q=4, chunk_k=4).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
 def test_cross_attention_lengths():
     """Non-causal attention with more keys than queries (S != T)."""
     q, k, v = qkv(1, 2, 2, 9, 4, S=23)
