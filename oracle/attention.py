@@ -332,7 +332,8 @@ def mask_forward(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         raise AttentionLayoutError(f"{NAME} computes a training step without a KV cache (q {q_length}, kv {kv_length} tokens)")
     if mask_function is causal_mask_function or mask_function is bidirectional_mask_function or mask_function is None:
         return None
-    causal = not bool(mask_function(*(torch.zeros((), dtype=torch.long),) * 3, torch.ones((), dtype=torch.long)))
+    z, i = torch.zeros((), dtype=torch.long), torch.arange(1, max(q_length, 1))
+    causal = not bool(mask_function(z, z, i - 1, i).any())  # no query sees its next key
     _probe_pattern(mask_function, q_length, causal)
     return None
 
@@ -348,7 +349,8 @@ def register(name: str = NAME) -> str:
 
 
 def use(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
-    """Route every attention of ``model`` (its config and sub-configs: text, vision) through ``name``."""
+    """Route every attention of ``model`` (its config and sub-configs: text, vision) through ``name``.
+    After ``register()``, transformers' own ``model.set_attn_implementation(NAME)`` does the same."""
     register(name)
     seen = set()
     for m in model.modules():

@@ -292,3 +292,19 @@ def test_padding_mask_is_an_error(vl):
     mask[0, :2] = 0
     with torch.no_grad(), mode, pytest.raises(AttentionLayoutError, match="padded"):
         lm(inputs_embeds=x, attention_mask=mask)
+
+
+def test_mask_function_refuses_patterns_it_cannot_compute():
+    """The registered mask function builds nothing for causal / bidirectional / packed-causal patterns and
+    refuses others (a sliding window) instead of silently computing full attention."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function, sliding_window_overlay
+
+    kw = dict(batch_size=1, q_length=12, kv_length=12)
+    assert attention.mask_forward(**kw, mask_function=causal_mask_function) is None
+    sample = torch.tensor([[0] * 5 + [1] * 7])
+    packed_causal = and_masks(causal_mask_function, packed_sequence_mask_function(sample))
+    assert attention.mask_forward(**kw, mask_function=packed_causal) is None
+    with pytest.raises(AttentionLayoutError, match="sliding window"):
+        attention.mask_forward(**kw, mask_function=and_masks(causal_mask_function, sliding_window_overlay(3)))
+    with pytest.raises(AttentionLayoutError, match="without a KV cache"):
+        attention.mask_forward(batch_size=1, q_length=1, kv_length=12, q_offset=11, mask_function=causal_mask_function)
