@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from oracle.errors import RecipeError
-from oracle.loss import causal_lm_loss, masked_token_loss
+from oracle.loss import causal_lm_loss, lm_head_loss, masked_token_loss
 from oracle.recipe import ModelSource, Recipe
 from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
@@ -110,8 +110,8 @@ class Qwen3Recipe(Recipe):
 
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         ids = inputs["tokens"] if "tokens" in inputs else inputs["input_ids"]
-        logits = model(input_ids=ids, position_ids=inputs.get("position_ids")).logits  # (B, T, V)
-        return self.loss_from_logits(logits, inputs, reduction)
+        hidden = model.model(input_ids=ids, position_ids=inputs.get("position_ids")).last_hidden_state  # (B, T, H)
+        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction, inputs.get("loss_mask"))
 
     def loss_from_logits(self, logits, inputs, reduction):
         if "loss_mask" in inputs:  # Megatron batch: labels pre-shifted, float mask

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from oracle.errors import RecipeError
-from oracle.loss import causal_lm_loss
+from oracle.loss import causal_lm_loss, lm_head_loss
 from oracle.recipe import ModelSource, Recipe
 from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
@@ -87,8 +87,8 @@ class Qwen3VLRecipe(Recipe):
 
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         model_inputs = {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids") if k in inputs}
-        logits = model(**model_inputs).logits  # (1, T, V)
-        return self.loss_from_logits(logits, inputs, reduction)
+        hidden = model.model(**model_inputs).last_hidden_state  # (1, T, H)
+        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction)
 
     def loss_from_logits(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         return causal_lm_loss(logits, inputs["labels"], reduction)
