@@ -46,6 +46,12 @@ class LogParseError(OracleError):
     exit_code = 8
 
 
+class OutputError(OracleError):
+    """An output that cannot be written: permission, disk full, read-only file system."""
+
+    exit_code = 9
+
+
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
     1: "internal error (a bug: please report it with the traceback printed by --debug)",
@@ -56,4 +62,5 @@ EXIT_CODES = {
     OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it)",
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
+    OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
 }
