@@ -61,7 +61,7 @@ class TensorEntry(BaseModel):
 
 class RecipeRef(_Model):
     name: str | None = None
-    config: dict[str, Any] = {}
+    config: dict[str, Any]
 
 
 class Loss(_Model):

@@ -80,7 +80,8 @@ def run_step(
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
-    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
+    stored = {n: e["shape"] for n, e in cap.manifest["tensors"].get("weights", {}).items()}
+    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=(stored, str(cap.path)))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=capture_device(cap))
     if instrument is not None:

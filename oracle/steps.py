@@ -16,6 +16,7 @@ from .modules import ModuleRecorder, select
 from .numerics import PrecisionMode
 from .precision import policy
 from .recipe import ModelSource, Recipe
+from .shapes import check_shapes
 
 
 @contextlib.contextmanager
@@ -34,12 +35,16 @@ def build_model(
     weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
     dtype: torch.dtype,
     mode: PrecisionMode | None = None,
+    shapes: tuple[Mapping[str, Any], str] | None = None,
 ) -> nn.Module:
     """Build the recipe's module in ``dtype`` and copy ``weights`` in (upcasts are exact).
 
     With a ``mode`` the module is built inside it, so that buffers computed at init (rotary
-    frequencies) are computed in the mode's compute dtype too.
+    frequencies) are computed in the mode's compute dtype too. With ``shapes`` (name -> stored
+    shape, and where they come from) they are checked first on the meta device (shapes.py).
     """
+    if shapes is not None:
+        check_shapes(recipe, config, *shapes)
     with default_dtype(dtype), mode or contextlib.nullcontext():
         model = recipe.build(dict(config))
     model = model.to(dtype)
@@ -47,7 +52,10 @@ def build_model(
     get = weights.__getitem__ if isinstance(weights, Mapping) else weights
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(get(name).to(dtype))
+            w = get(name)
+            if w.shape != p.shape:
+                raise RecipeError(f"weight {name} has shape {list(w.shape)}, the model built from the config expects {list(p.shape)}")
+            p.copy_(w.to(dtype))
     return model
 
 
