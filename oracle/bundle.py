@@ -140,13 +140,18 @@ class BundleWriter:
             raise OutputExists(f"output {self.path} {why}")
 
     def __enter__(self) -> BundleWriter:
+        blocker = next((a for a in self.path.parents if os.path.lexists(a)), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(f"cannot write the bundle {self.path}: {blocker} is a file, not a directory")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic.clean_stale(self.path)
             tmp = atomic.temp_name(self.path)
             os.mkdir(tmp)  # 0777 less the umask
         except OSError as e:
-            raise OutputError(f"cannot write the bundle {self.path}: {e.strerror or e} ({e.filename or self.path.parent})") from None
+            raise OutputError(
+                f"cannot write the bundle {self.path}: {e.strerror or e} ({e.filename or self.path.parent})"
+            ) from None
         self._tmp = tmp
         return self
 
@@ -267,7 +272,8 @@ class Bundle:
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise BundleError(
                 f"{self.path} is damaged ({len(problems)} problem(s)); capture or replay it again:\n  "
-                + "\n  ".join(problems[:20]) + more
+                + "\n  ".join(problems[:20])
+                + more
             )
 
     def _check_header(self, p: Path, listed: list[tuple[str, str, dict]]) -> list[str]:

@@ -121,7 +121,7 @@ class LocalRow(_Model):
 
 
 class Manifest(_Model):
-    schema_version: Literal[1]
+    schema_version: Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]  # strict: true is not 1
     kind: Literal[KINDS]  # type: ignore[valid-type]
     tensors: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.]+$")], dict[Name, TensorEntry]] = {}
     recipe: RecipeRef | None = None
@@ -157,6 +157,18 @@ class Manifest(_Model):
             raise ValueError("a norms bundle needs 'norms' (parameter name -> gradient norm)")
         if self.kind == "local" and self.local is None:
             raise ValueError("a local bundle needs 'local' (one row per replayed module)")
+        weights = self.tensors.get("weights", {})
+        for group, entries in self.tensors.items():
+            if group == "grads" or group.startswith("grads."):
+                bad = [
+                    f"{n} {e.shape} (weight {weights[n].shape})"
+                    for n, e in entries.items()
+                    if n in weights and e.shape != weights[n].shape
+                ]
+                if bad:
+                    raise ValueError(
+                        f"{len(bad)} gradient(s) in '{group}' have another shape than their weight: {', '.join(bad[:3])}"
+                    )
         if self.kind == "emulation":
             missing = [g for g in ["grads"] + [f"grads.{k}" for k in range(1, self.members or 1)] if g not in self.tensors]
             if missing:

@@ -45,12 +45,13 @@ def _open_image(ref: str, base: str):
             raise InputNotFound(f"image {p} named by the sample does not exist")
         name, src = f"image {p}", p
     try:
-        with warnings.catch_warnings(), Image.open(src) as img:  # reads the header only
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is lower
-            w, h = img.size
-            if w * h > MAX_IMAGE_PIXELS:
-                raise Image.DecompressionBombError(f"{w} x {h} pixels")
-            return img.convert("RGB")
+            with Image.open(src) as img:  # reads the header only
+                w, h = img.size
+                if w * h > MAX_IMAGE_PIXELS:
+                    raise Image.DecompressionBombError(f"{w} x {h} pixels")
+                return img.convert("RGB")
     except Image.DecompressionBombError as e:
         raise RecipeError(
             f"{name} is too large to decode ({e}; the limit is {MAX_IMAGE_PIXELS} pixels, a guard against "
