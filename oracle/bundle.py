@@ -298,7 +298,7 @@ class Bundle:
                 problems.append(f"{where}: not in the file's header")
                 continue
             dtype, shape, offs = h.get("dtype"), h.get("shape"), h.get("data_offsets")
-            if DTYPES.get(dtype) != e["dtype"] or shape != e["shape"]:  # type: ignore[arg-type]
+            if not isinstance(dtype, str) or DTYPES.get(dtype) != e["dtype"] or shape != e["shape"]:
                 problems.append(f"{where}: stored as {dtype} {shape}, the manifest says {e['dtype']} {e['shape']}")
                 continue
             if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
