@@ -41,6 +41,7 @@ from .errors import BundleError, RecipeError
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
 from .replay import EMULATIONS, _recipe_of, capture_device, fingerprint, run_step
+from .shapes import stored_shapes
 from .steps import build_model
 from .tolerance import MARGIN, table
 
@@ -70,7 +71,8 @@ class _Worker:
             compute = EMULATIONS[dtype][0]
             cfg = self.cap.manifest["recipe"]["config"]
             self.models[dtype] = build_model(
-                self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute)
+                self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute),
+                shapes=stored_shapes(self.cap),
             )
         return self.models[dtype]
 

@@ -32,6 +32,7 @@ from .capture import versions
 from .certify import finite_difference_certificate
 from .errors import BundleError, RecipeError
 from .numerics import PrecisionMode
+from .shapes import stored_shapes
 from .steps import build_model
 
 # dtype name -> (compute dtype, format rounded to, which ops are rounded)
@@ -80,8 +81,7 @@ def run_step(
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
-    stored = {n: e["shape"] for n, e in cap.manifest["tensors"].get("weights", {}).items()}
-    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=(stored, str(cap.path)))
+    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=capture_device(cap))
     if instrument is not None:

@@ -54,7 +54,9 @@ def build_model(
         for name, p in model.named_parameters():
             w = get(name)
             if w.shape != p.shape:
-                raise RecipeError(f"weight {name} has shape {list(w.shape)}, the model built from the config expects {list(p.shape)}")
+                raise RecipeError(
+                    f"weight {name} has shape {list(w.shape)}, the model built from the config expects {list(p.shape)}"
+                )
             p.copy_(w.to(dtype))
     return model
 
@@ -82,6 +84,9 @@ def capture_recipe_step(
     torch.manual_seed(seed)
     pol = policy(precision)
     recipe = source.recipe
+    w = source.weights
+    shapes = w.shapes() if hasattr(w, "shapes") else {n: list(t.shape) for n, t in w.items()}
+    check_shapes(recipe, source.config, shapes, source.origin, error=RecipeError, fix="config.json and the checkpoint disagree")
     model = build_model(recipe, source.config, source.weights, pol.param_dtype)
     inputs = recipe.prepare_inputs(source, model, sample)
     dev = torch.device(device)

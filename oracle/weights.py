@@ -59,6 +59,14 @@ class SafetensorsDir(Mapping):
             except Exception as e:  # safetensors raises its own SafetensorError for damaged data
                 raise RecipeError(f"{self.path / self._map[name]}: cannot read {name} ({e}); the checkpoint is damaged") from None
 
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape from the file headers, without reading any data."""
+        out: dict[str, list[int]] = {}
+        for fname in sorted(set(self._map.values())):
+            with _opened(self.path / fname) as f:
+                out |= {k: list(f.get_slice(k).get_shape()) for k in f.keys() if self._map.get(k) == fname}
+        return out
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._map)
 

@@ -28,7 +28,11 @@ FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None
 TENSORS = {
     "weights": {"w.a": torch.arange(6, dtype=torch.float32).view(2, 3), "w.b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)},
     "grads": {"g.a": torch.full((2, 3), 0.25), "g.b": torch.tensor([3.0, 4.0], dtype=torch.bfloat16), "g.s": torch.tensor(7.0)},
-    "inputs": {"ids": torch.tensor([[1, 2, 3]]), "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 4, dtype=torch.float16)},
+    "inputs": {
+        "ids": torch.tensor([[1, 2, 3]]),
+        "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    },
 }
 ORIGINAL = {n: t for group in TENSORS.values() for n, t in group.items()}
 JSON = st.recursive(
@@ -166,7 +170,9 @@ GOOD_PART = st.one_of(
     st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.sampled_from([{"url": "a.png"}, "a.png"])}),
 )
 BAD_PART = st.one_of(
-    st.fixed_dictionaries({"type": st.sampled_from(["image", "video", "audio"]), "image": st.sampled_from(["missing.png", "t.txt", "", "data:x"])}),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["image", "video", "audio"]), "image": st.sampled_from(["missing.png", "t.txt", "", "data:x"])}
+    ),
     st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.sampled_from([{}, 3, {"url": None}])}),
     JSON,
 )
@@ -174,7 +180,9 @@ PART = st.one_of(GOOD_PART, GOOD_PART, GOOD_PART, BAD_PART)
 CONTENT = st.one_of(st.text(max_size=20), st.sampled_from(["<image>hi", "<image><image>x", "y"]), st.lists(PART, max_size=3),
                     st.lists(GOOD_PART, min_size=1, max_size=3), JSON)  # fmt: skip
 ROLE = st.sampled_from(["system", "user", "user", "assistant", "assistant", "tool", 3, None])
-MESSAGE = st.one_of(st.fixed_dictionaries({"role": ROLE, "content": CONTENT}), st.fixed_dictionaries({"role": ROLE, "content": CONTENT}), JSON)
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": ROLE, "content": CONTENT}), st.fixed_dictionaries({"role": ROLE, "content": CONTENT}), JSON
+)
 ANSWER = {"role": "assistant", "content": "ok"}
 IMAGES = st.one_of(st.lists(st.sampled_from(["a.png", "a.png", "t.txt", "no.png", 5, {"path": "a.png"}]), max_size=2), JSON)
 SAMPLE = st.one_of(

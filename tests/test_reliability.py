@@ -279,6 +279,33 @@ def test_value_hash_in_slices_equals_the_hash_of_the_whole(monkeypatch):
     assert bundle.tensor_sha256(x) == hashlib.sha256(x.view(torch.int16).numpy().tobytes()).hexdigest()
 
 
+def test_damaged_or_mismatched_model_files_exit_7(tmp_path):
+    """A garbage model.safetensors or index is a RecipeError; a checkpoint that does not fit its
+    config.json is refused from the headers, before the model is built."""
+    from safetensors.torch import save_file
+
+    from oracle.errors import RecipeError
+    from oracle.recipe import ModelSource
+    from oracle.steps import capture_recipe_step
+    from oracle.weights import SafetensorsDir
+    from replays.qwen3_vl.recipe import Qwen3VLRecipe
+
+    (tmp_path / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(RecipeError, match="not a readable safetensors file"):
+        SafetensorsDir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ["x"]}')
+    with pytest.raises(RecipeError, match="not a safetensors index"):
+        SafetensorsDir(tmp_path)
+    os.remove(tmp_path / "model.safetensors.index.json")
+    save_file({"lm_head.weight": torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+    src = ModelSource(Qwen3VLRecipe(), {"model_type": "qwen3_vl", "text_config": {"hidden_size": 1_000_000}},
+                      SafetensorsDir(tmp_path), origin=str(tmp_path))  # fmt: skip
+    t0 = time.perf_counter()
+    with pytest.raises(RecipeError, match=r"lm_head.weight: stored \[3, 3\], the recipe's model has \[151936, 1000000\]"):
+        capture_recipe_step(src, {}, str(tmp_path / "c"))
+    assert time.perf_counter() - t0 < 5 and not (tmp_path / "c").exists()
+
+
 # -- samples --------------------------------------------------------------------------------
 def test_content_lists_read_as_the_string_form(source, sample):
     """The OpenAI/ms-swift list form and the <image>-tag form give the same token ids and pixels."""
