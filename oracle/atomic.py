@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import re
 import secrets
@@ -37,6 +36,11 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock, the moves alone
+    fcntl = None  # type: ignore[assignment]
 
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -48,9 +52,19 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 
 
+_ACTIVE: set[str] = set()  # temporaries of this process still in use (a pid alone cannot tell, after pid reuse)
+
+
 def temp_name(final: Path, what: str = "tmp") -> Path:
-    """A sibling name for a writer's temporary (``tmp``) or displaced old bundle (``old``)."""
-    return final.with_name(f".{final.name}.{what}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    """A sibling name for a writer's temporary (``tmp``) or displaced old bundle (``old``); in use
+    until :func:`release` is called with it."""
+    p = final.with_name(f".{final.name}.{what}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    _ACTIVE.add(p.name)
+    return p
+
+
+def release(p: Path) -> None:
+    _ACTIVE.discard(p.name)
 
 
 def umask() -> int:
@@ -93,6 +107,9 @@ def rename2(src: Path, dst: Path, flags: int) -> bool:
 @contextlib.contextmanager
 def dir_lock(parent: Path) -> Iterator[None]:
     """Exclusive advisory lock on a directory (flock on its descriptor), released on exit."""
+    if fcntl is None:
+        yield
+        return
     fd = os.open(parent, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -125,7 +142,7 @@ def clean_stale(final: Path) -> list[str]:
         if not m or m["name"] != final.name or m["host"] != host:
             continue
         pid = int(m["pid"])
-        if pid == os.getpid() or _alive(pid):
+        if p.name in _ACTIVE or (pid != os.getpid() and _alive(pid)):
             continue
         if m["what"] == "old" and not os.path.lexists(final):
             try:  # the writer died between the fallback's two renames: the old bundle goes back
@@ -174,3 +191,4 @@ def publish(tmp: Path, final: Path, *, replace: Callable[[Path], str | None] | N
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        release(old)

@@ -186,14 +186,12 @@ class BundleWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self._tmp is not None
-        if exc_type is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            return
         try:
-            self._finish()
-        except BaseException:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            raise
+            if exc_type is None:
+                self._finish()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone after a publish; the debris after an error
+            atomic.release(self._tmp)
 
     def _finish(self) -> None:
         tmp = self._tmp

@@ -148,10 +148,11 @@ def test_stale_temporaries_of_dead_writers_are_removed_live_ones_kept(tmp_path):
     dead = tmp_path / f".b.tmp-{atomic._host()}-{dead_pid()}-0123abcd"
     live = tmp_path / f".b.tmp-{atomic._host()}-{os.getppid()}-0123abcd"
     other_host = tmp_path / f".b.tmp-elsewhere-{dead_pid()}-0123abcd"
-    for d in (dead, live, other_host):
+    reused = tmp_path / f".b.tmp-{atomic._host()}-{os.getpid()}-0123abcd"  # our pid, but not a writer of ours
+    for d in (dead, live, other_host, reused):
         d.mkdir()
     write(tmp_path / "b")
-    assert not dead.exists() and live.exists() and other_host.exists()
+    assert not dead.exists() and not reused.exists() and live.exists() and other_host.exists()
 
 
 @pytest.mark.parametrize("mask,dmode,fmode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640), (0o002, 0o775, 0o664)])
