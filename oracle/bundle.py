@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from . import atomic
@@ -165,10 +166,14 @@ class BundleWriter:
             raise ValueError(f"{fname} written twice")
         entries = self.manifest["tensors"].setdefault(group, {})
         clean: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
         for name, t in tensors.items():
             if name in entries:
                 raise ValueError(f"tensor {group}/{name} written twice")
             t = t.detach().to("cpu").contiguous()
+            if t.numel() and t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # tied parameters (embeddings = lm_head) share storage; safetensors refuses that
+            storages.add(t.untyped_storage().data_ptr())
             clean[name] = t
             entries[name] = {
                 "file": fname,
@@ -182,6 +187,8 @@ class BundleWriter:
             os.chmod(self._tmp / fname, self._mode)  # safetensors creates 0600 whatever the umask
         except OSError as e:
             raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
+        except SafetensorError as e:  # the Rust writer reports I/O errors (disk full) as its own type
+            raise OutputError(f"cannot write {self.path / fname}: {e}") from None
         self._files.add(fname)
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -166,6 +166,15 @@ def test_permissions_follow_the_umask(tmp_path, mask, dmode, fmode):
     assert {p.name: p.stat().st_mode & 0o777 for p in b.iterdir()} == {p.name: fmode for p in b.iterdir()}
 
 
+def test_tied_parameters_are_written(tmp_path):
+    """Two names of one storage (tied embeddings on CPU) are stored as two equal tensors."""
+    w = torch.randn(4, 3)
+    with BundleWriter(tmp_path / "b", "capture") as bw:
+        bw.add("weights", {"embed.weight": w, "lm_head.weight": w})
+    b = Bundle(tmp_path / "b")
+    assert torch.equal(b.load("weights", "embed.weight"), b.load("weights", "lm_head.weight"))
+
+
 def test_unwritable_output_is_exit_9_not_a_bug(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="cannot write the bundle"):
