@@ -4,9 +4,9 @@
 
 One process imports torch once, then forks a child per attempt (OMP_NUM_THREADS=1 is set by the
 caller, so forking after torch ran is safe). Each child writes with ``overwrite=True`` over a
-complete bundle; the parent kills it with SIGKILL either after a random delay in [0, 1.3 x the
-uninterrupted duration] or a random few milliseconds after its temporary directory appears (so
-that some kills land inside the write itself). After every kill the bundle at the name must open
+complete bundle; the parent kills it with SIGKILL after a random delay in [0, 1.3 x the
+uninterrupted duration] (odd attempts) or 0-20 ms after its temporary directory appears (even
+attempts, so that kills land inside the write itself). After every kill the bundle at the name must open
 and verify (old or new, never lost, never half-written). Then a fresh name is written under kills
 (nothing or a complete bundle), a rerun must succeed, and no temporary may remain. Last, two
 children write one new name at once: exactly one succeeds, the other gets OutputExists.
@@ -84,15 +84,15 @@ def child(fn, out: Path) -> int:
     return pid
 
 
-def attempt(fn, out: Path, rng: random.Random, duration: float) -> str:
+def attempt(fn, out: Path, rng: random.Random, duration: float, in_write: bool) -> str:
     pid = child(fn, out)
-    if rng.random() < 0.5:
+    if not in_write:
         time.sleep(rng.uniform(0, 1.3 * duration))
     else:  # wait for the temporary directory, then kill within the write
         t0 = time.perf_counter()
         while not any(f"-{pid}-" in n for n in temps(out)) and time.perf_counter() - t0 < 3 * duration:
             time.sleep(0.001)
-        time.sleep(rng.uniform(0, 0.05))
+        time.sleep(rng.uniform(0, 0.02))
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     killed = os.WIFSIGNALED(status)
@@ -120,12 +120,12 @@ def main(root: Path, seed: int) -> None:
         t0 = time.perf_counter()
         fn(out)  # the complete bundle every kill must leave readable
         duration = time.perf_counter() - t0
-        for _ in range({"capture": 4, "replay": 4, "merge": 6}[kind]):
-            what = attempt(fn, out, rng, duration)
+        for k in range({"capture": 4, "replay": 4, "merge": 6}[kind]):
+            what = attempt(fn, out, rng, duration, in_write=k % 2 == 0)
             counts[what] = counts.get(what, 0) + 1
             verify(out)  # old or new, complete: raises otherwise
         fresh = root / f"{kind}-fresh"
-        attempt(fn, fresh, rng, duration)
+        attempt(fn, fresh, rng, duration, in_write=True)
         if fresh.exists():
             verify(fresh)
         fn(fresh)  # the rerun succeeds (and cleans the dead writers' temporaries)
