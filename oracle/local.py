@@ -71,7 +71,11 @@ class _Worker:
             compute = EMULATIONS[dtype][0]
             cfg = self.cap.manifest["recipe"]["config"]
             self.models[dtype] = build_model(
-                self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute),
+                self.recipe,
+                cfg,
+                lambda n: self.cap.load("weights", n),
+                compute,
+                mode=PrecisionMode(compute),
                 shapes=stored_shapes(self.cap),
             )
         return self.models[dtype]
