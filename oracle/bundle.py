@@ -48,7 +48,7 @@ from . import atomic
 from .errors import BundleError, InputNotFound, OutputError, OutputExists
 from .manifest import DTYPES, KINDS, SCHEMA_VERSION, looks_like_bundle, parse_json, read_manifest
 
-__all__ = ["Bundle", "BundleWriter", "KINDS", "MANIFEST", "SCHEMA_VERSION", "tensor_sha256", "value_sha256"]
+__all__ = ["Bundle", "BundleWriter", "KINDS", "check_output", "MANIFEST", "SCHEMA_VERSION", "tensor_sha256", "value_sha256"]
 
 MANIFEST = "manifest.json"
 HASH_SLICE = 64 * 2**20  # bytes hashed per update: bounds no memory (no copies), only the loop length
@@ -117,6 +117,19 @@ def _replaceable(p: Path) -> str | None:
     return None
 
 
+def check_output(path: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an output that exists (without ``overwrite``) or may not be replaced, before any work
+    is spent on it; the final move checks again (a folder may appear meanwhile)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite")
+    why = _replaceable(path)
+    if why:
+        raise OutputExists(f"output {path} {why}")
+
+
 class BundleWriter:
     """Writes a bundle atomically. Use as a context manager; nothing appears at ``path`` on error."""
 
@@ -132,13 +145,7 @@ class BundleWriter:
         self._mode = 0o666 & ~atomic.umask()
 
     def _check_target(self) -> None:
-        if not os.path.lexists(self.path):
-            return
-        if not self.overwrite:
-            raise OutputExists(f"output {self.path} already exists; choose another --out or pass --overwrite")
-        why = _replaceable(self.path)
-        if why:
-            raise OutputExists(f"output {self.path} {why}")
+        check_output(self.path, self.overwrite)
 
     def __enter__(self) -> BundleWriter:
         blocker = next((a for a in self.path.parents if os.path.lexists(a)), None)

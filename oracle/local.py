@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
-from .bundle import Bundle, BundleWriter
+from .bundle import Bundle, BundleWriter, check_output
 from .errors import BundleError, RecipeError
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
@@ -214,6 +214,7 @@ def replay_local(
     overwrite: bool = False, progress: bool = False,
 ) -> Path:  # fmt: skip
     cap = Bundle(capture)
+    check_output(out, overwrite)
     recorded = cap.get("modules") or {}
     if not recorded:
         raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all)")

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from . import recipe as recipes
-from .bundle import Bundle, BundleWriter
+from .bundle import Bundle, BundleWriter, check_output
 from .capture import versions
 from .certify import finite_difference_certificate
 from .errors import BundleError, RecipeError
@@ -119,6 +119,7 @@ def replay(
     if ensemble < 1:
         raise RecipeError("--ensemble must be at least 1")
     cap = Bundle(capture)
+    check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
     t0 = time.perf_counter()

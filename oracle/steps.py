@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bundle import check_output
 from .capture import Capture
 from .errors import RecipeError
 from .modules import ModuleRecorder, select
@@ -81,6 +82,7 @@ def capture_recipe_step(
     ``instrument(model)`` runs after the model is built and before the step (tests plant faults
     with it; users can attach their own hooks).
     """
+    check_output(out, overwrite)  # before the step is spent
     torch.manual_seed(seed)
     pol = policy(precision)
     recipe = source.recipe

@@ -98,6 +98,18 @@ def test_two_writers_one_out_exactly_one_wins(tmp_path):
     Bundle(out).load_group("grads")
 
 
+def test_an_existing_output_is_refused_before_any_work(tmp_path):
+    """replay, local replay and capture check --out first, not after the step (hours on a large model)."""
+    from oracle.local import replay_local
+    from oracle.replay import replay
+    from oracle.steps import capture_recipe_step
+
+    cap, out = write(tmp_path / "cap"), write(tmp_path / "out")
+    for run in (lambda: replay(cap, out), lambda: replay_local(cap, out), lambda: capture_recipe_step(None, {}, str(out))):
+        with pytest.raises(OutputExists, match="--overwrite"):
+            run()  # a capture without a recipe or modules, and no model source: any work would fail otherwise
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])
 def test_overwrite_swaps_and_new_writes_do_not_replace(tmp_path, monkeypatch, native):
     """Both the renameat2 path and the portable fallback replace a bundle and refuse to clobber."""
