@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from oracle import precision as precisions
-from oracle.errors import EXIT_CODES, OracleError, UsageError
+from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error
 
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 app = typer.Typer(
@@ -68,6 +68,10 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(code=e.exit_code) from None
         except typer.Exit:
             raise
+        except OSError as e:  # the file system refused (permission, disk full, ...): the user's to fix
+            err = from_os_error(e)
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(code=err.exit_code) from None
         except Exception as e:  # a bug: say so, show where, never dump tensors
             typer.echo(f"internal error: {type(e).__name__}: {e}", err=True)
             typer.echo("".join(traceback.format_exception(e, limit=-3)), err=True)

@@ -28,11 +28,12 @@ from tqdm import tqdm
 
 from . import precision as precisions
 from . import recipe as recipes
-from .bundle import Bundle, BundleWriter
+from .bundle import Bundle, BundleWriter, check_output
 from .capture import versions
 from .certify import finite_difference_certificate
 from .errors import BundleError, RecipeError, UsageError
 from .numerics import PrecisionMode
+from .shapes import stored_shapes
 from .steps import build_model
 
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
@@ -57,7 +58,7 @@ def run_step(
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
-    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
+    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
     if instrument is not None:
@@ -94,6 +95,7 @@ def replay(
     if ensemble < 1:
         raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
+    check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
     t0 = time.perf_counter()
