@@ -100,7 +100,8 @@ def capture(
     out: Out,
     model: Annotated[str, typer.Option(help="Embedded model name, or a local Hugging Face model directory.")] = "tiny-qwen3-vl",
     sample: Annotated[Path | None, typer.Option(help="ms-swift style .jsonl; default: the recipe's embedded sample.")] = None,
-    index: Annotated[int, typer.Option(help="Line of --sample to use.")] = 0,
+    index: Annotated[str, typer.Option(help="Line of --sample to use (0-based), or several (0,3,7) packed into one sequence.")] = "0",
+    pack: Annotated[int | None, typer.Option(min=1, help="Pack N samples of --sample from --index on into one sequence (per-sample attention and positions).")] = None,
     device: Annotated[Device, typer.Option(help="Device the step runs on.")] = Device.cpu,
     precision: Annotated[Precision, typer.Option(help="Precision policy of the step.")] = Precision.fp32,
     loss_reduction: Annotated[Reduction, typer.Option(help="'mean' over loss tokens, or 'sum' (Megatron per-token loss).")] = Reduction.mean,
@@ -117,7 +118,24 @@ def capture(
     _check_device(device.value)
     r = recipe.for_model(model)
     src = r.load(model)
-    smp = read_sample(str(sample), index) if sample else r.default_sample()
+    try:
+        indices = [int(i) for i in index.split(",")]
+    except ValueError:
+        raise UsageError(f"--index {index!r}: expected a line number or a comma-separated list (0,3,7)") from None
+    if pack is not None:
+        if len(indices) > 1:
+            raise UsageError("give either --index 0,3,7 or --index N --pack K, not both lists")
+        indices = list(range(indices[0], indices[0] + pack))
+    if any(i < 0 for i in indices):
+        raise UsageError(f"--index {index!r}: line numbers start at 0")
+    if sample:
+        smp = [read_sample(str(sample), i) for i in indices]
+    else:
+        default = r.default_sample()
+        if len(indices) > 1:
+            raise UsageError("packing needs --sample (a .jsonl with several samples)")
+        smp = [default]
+    smp = smp[0] if len(smp) == 1 else smp
     capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
                         reduction=loss_reduction.value, seed=seed, overwrite=overwrite, modules=modules,
                         module_budget_mb=budget_mb, echo=typer.echo)  # fmt: skip
@@ -142,11 +160,32 @@ def replay(
     modules: Annotated[str | None, typer.Option(help="--local: regex selecting recorded modules.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="--local: parallel processes.")] = 1,
     members: Annotated[int, typer.Option(min=1, help="--local: emulated members for the expected local error.")] = 2,
+    max_memory: Annotated[str | None, typer.Option(help="Stream the replay within this memory (16G, 512M): weights per unit from the capture, activations spilled to disk past it; resumable.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores). Resume and bitwise repeatability need the same count.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit.")] = False,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    import os
+
+    import torch
+
     from oracle.bundle import Bundle
     from oracle.replay import replay as do_replay
+
+    torch.set_num_threads(
+        threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads or os.cpu_count() or 1
+    )
+    budget = None
+    if max_memory is not None:
+        from oracle.stream import parse_size
+
+        budget = parse_size(max_memory)
+    if dry_run:
+        from oracle import plan
+
+        typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
+        return
 
     if local:
         from oracle.local import replay_local
@@ -161,9 +200,15 @@ def replay(
 
     mode = "auto" if verify is None else ("on" if verify else "off")
     do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
-              overwrite=overwrite, progress=ensemble > 1)  # fmt: skip
+              overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget)  # fmt: skip
     b = Bundle(out)
     msg = f"replayed {capture} in {dtype.value}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
+    if b.get("streaming"):
+        st = b.get("streaming")
+        msg += (
+            f"\n  streamed within {st['max_memory'] / 2**30:.2f} GiB: peak RSS {st['peak_rss'] / 2**30:.2f} GiB, "
+            f"activations spilled {st.get('activations_spilled', 0) / 2**30:.2f} GiB" + (" (resumed)" if st["resumed"] else "")
+        )
     cert = b.get("certificate")
     if cert:
         msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"

@@ -36,7 +36,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,48 @@ class BundleWriter:
             raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
         except SafetensorError as e:  # the Rust writer reports I/O errors (disk full) as its own type
             raise OutputError(f"cannot write {self.path / fname}: {e}") from None
+        self._files.add(fname)
+
+    def add_stream(self, group: str, items: Iterable[tuple[str, torch.Tensor]], *, max_bytes: int = 1 << 30) -> None:
+        """Write ``group`` from an iterator in shards of about ``max_bytes``: at most one shard is held."""
+        shard: dict[str, torch.Tensor] = {}
+        size, k = 0, 0
+        for name, t in items:
+            shard[name] = t
+            size += t.numel() * t.element_size()
+            if size >= max_bytes:
+                k += 1
+                self.add(group, shard, shard=k)
+                shard, size = {}, 0
+        if shard or k == 0:
+            self.add(group, shard, shard=k + 1 if k else None)
+
+    def adopt(self, group: str, src: str | os.PathLike, entries: Mapping[str, Mapping[str, Any]], *, move: bool = False) -> None:
+        """Take a finished safetensors file into the bundle as it is (hard link, else copy; ``move``:
+        rename) with its manifest ``entries`` (name -> {dtype, shape, sha256, value_sha256}): a replay
+        carries the capture's inputs and weights, and the streaming replay its gradient shards, file
+        by file without loading them."""
+        assert self._tmp is not None, "BundleWriter must be used as a context manager"
+        src = Path(src)
+        fname = src.name
+        if fname in self._files:
+            raise ValueError(f"{fname} written twice")
+        dst = self._tmp / fname
+        try:
+            if move:
+                os.replace(src, dst)
+            else:
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copyfile(src, dst)
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
+        group_entries = self.manifest["tensors"].setdefault(group, {})
+        for name, e in entries.items():
+            if name in group_entries:
+                raise ValueError(f"tensor {group}/{name} written twice")
+            group_entries[name] = {**e, "file": fname}
         self._files.add(fname)
 
     def __exit__(self, exc_type, exc, tb) -> None:

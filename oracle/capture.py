@@ -146,8 +146,27 @@ class Capture:
             return
         self.write()
 
+    def _record_packing(self) -> dict[str, Any] | None:
+        """Per-sample boundaries of a packed step, from ``cu_seqlens`` (or flash-attention's
+        ``cu_seq_lens_q``) when the model received them, else from restarting text positions."""
+        from .packing import cu_seqlens, lengths_from_positions
+
+        cu = self.inputs.get("cu_seqlens", self.inputs.get("cu_seq_lens_q"))
+        if cu is None and "position_ids" in self.inputs:
+            pos = self.inputs["position_ids"]
+            text = pos[0] if pos.ndim == 3 and pos.shape[0] == 4 else (pos if pos.ndim <= 2 else None)
+            lengths = (
+                lengths_from_positions(text[0] if text is not None and text.ndim == 2 else text) if text is not None else None
+            )
+            cu = cu_seqlens(lengths) if lengths else None
+        if cu is None:
+            return None
+        self.inputs["cu_seqlens"] = cu.to(torch.int64).reshape(-1)  # part of the step's fingerprint
+        return {"cu_seqlens": self.inputs["cu_seqlens"].tolist()}
+
     def write(self) -> None:
         params = dict(self.model.named_parameters())
+        packing = self._record_packing()
         device = self._device or next(iter(params.values())).device
         no_grad = [n for n, p in params.items() if gradient_of(p) is None]
         with BundleWriter(self.out, "capture", overwrite=self.overwrite) as w:
@@ -160,6 +179,7 @@ class Capture:
                 loss=self.loss,
                 static_inputs=self.static_inputs,
                 no_grad=no_grad,
+                packing=packing,
                 metadata=self.metadata,
             )
             w.add("inputs", self.inputs)

@@ -64,7 +64,7 @@ def build_model(
 
 def capture_recipe_step(
     source: ModelSource,
-    sample: dict[str, Any],
+    sample: dict[str, Any] | list[dict[str, Any]],
     out: str,
     *,
     precision: str = "fp32",
@@ -90,7 +90,10 @@ def capture_recipe_step(
     shapes = w.shapes() if hasattr(w, "shapes") else {n: list(t.shape) for n, t in w.items()}
     check_shapes(recipe, source.config, shapes, source.origin, error=RecipeError, fix="config.json and the checkpoint disagree")
     model = build_model(recipe, source.config, source.weights, torch_dtype(pol.param_dtype))
-    inputs = recipe.prepare_inputs(source, model, sample)
+    if isinstance(sample, list):  # several samples packed into one sequence
+        inputs = recipe.pack_inputs([recipe.prepare_inputs(source, model, smp) for smp in sample])
+    else:
+        inputs = recipe.prepare_inputs(source, model, sample)
     dev = torch.device(device)
     model.to(dev)
     if instrument is not None:

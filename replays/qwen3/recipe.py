@@ -12,6 +12,7 @@ from torch import nn
 
 from oracle.errors import RecipeError
 from oracle.loss import causal_lm_loss, lm_head_loss, masked_token_loss
+from oracle.packing import pack
 from oracle.recipe import ModelSource, Recipe
 from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
@@ -108,6 +109,10 @@ class Qwen3Recipe(Recipe):
         out["position_ids"] = out["position_ids"][0].contiguous()  # text only: the three mRoPE rows are equal
         return out
 
+    def pack_inputs(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Positions restart per sample (each part's are 0..l-1 already): (1, T) restarting ids."""
+        return pack(parts, seq_keys=("input_ids", "labels", "position_ids"))
+
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         ids = inputs["tokens"] if "tokens" in inputs else inputs["input_ids"]
         hidden = model.model(input_ids=ids, position_ids=inputs.get("position_ids")).last_hidden_state  # (B, T, H)
@@ -120,6 +125,9 @@ class Qwen3Recipe(Recipe):
 
     def boundaries(self) -> dict[str, str]:
         return {"layers": r"^model\.layers\.\d+$", "head": r"^lm_head$"}
+
+    def stream_units(self) -> str:
+        return r"^model\.(layers\.\d+|embed_tokens)$"
 
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         return text_layer_key(name, "model.")
