@@ -34,6 +34,8 @@ from .bundle import BundleWriter
 from .modules import ModuleRecorder
 from .precision import capture_policy
 
+SHARD_BYTES = 1 << 30  #: a capture's weights and grads are written in files of about this size
+
 
 def versions() -> dict[str, str]:
     out = {"torch": torch.__version__, "python": platform.python_version()}
@@ -183,8 +185,10 @@ class Capture:
                 metadata=self.metadata,
             )
             w.add("inputs", self.inputs)
-            w.add("weights", {n: p.detach() for n, p in params.items()})
-            w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
+            # one tensor at a time to the CPU, in shards of at most SHARD_BYTES: never a full copy of the model
+            w.add_stream("weights", ((n, p.detach().cpu()) for n, p in params.items()), max_bytes=SHARD_BYTES)
+            w.add_stream("grads", ((n, gradient_of(p).cpu()) for n, p in params.items() if gradient_of(p) is not None),
+                         max_bytes=SHARD_BYTES)  # fmt: skip
             if self.recorder is not None:
                 w.manifest["modules"] = self.recorder.manifest()
                 w.manifest["modules_over_budget"] = self.recorder.over_budget

@@ -69,7 +69,9 @@ def test_a_budget_below_one_unit_is_refused_with_the_size_that_would_do(fp32_cap
         replay(fp32_capture, tmp_path / "s", max_memory=1 << 20)
 
 
-@pytest.mark.parametrize("spec,value", [("16G", 16 << 30), ("512M", 512 << 20), ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30)])
+@pytest.mark.parametrize(
+    "spec,value", [("16G", 16 << 30), ("512M", 512 << 20), ("1.5T", int(1.5 * (1 << 40))), ("2GiB", 2 << 30)]
+)
 def test_sizes_parse(spec, value):
     assert parse_size(spec) == value
 
@@ -170,7 +172,9 @@ def test_capture_packs_from_the_cli(tmp_path):
                                  "--out", str(tmp_path / "c")])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert len(Bundle(tmp_path / "c").get("packing")["cu_seqlens"]) == 3
-    r = CliRunner().invoke(app, ["capture", "--model", "tiny-qwen3", "--sample", str(sample), "--index", "0,3", "--out", str(tmp_path / "d")])
+    r = CliRunner().invoke(
+        app, ["capture", "--model", "tiny-qwen3", "--sample", str(sample), "--index", "0,3", "--out", str(tmp_path / "d")]
+    )
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["capture", "--model", "tiny-qwen3", "--index", "0,1", "--out", str(tmp_path / "e")])
     assert r.exit_code == 2 and "--sample" in r.output
