@@ -53,6 +53,13 @@ class LogParseError(OracleError):
     exit_code = 8
 
 
+class NotReplayable(OracleError):
+    """A capture without inputs (msprobe imports and their merges, norm logs): it can be scored
+    against an oracle of the same step, never replayed into one."""
+
+    exit_code = 9
+
+
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
     1: "internal error (a bug: please report it with the last frames printed)",
@@ -63,4 +70,5 @@ EXIT_CODES = {
     OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it)",
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
+    NotReplayable.exit_code: "the bundle holds no inputs; it can only be scored against an oracle of the same step",
 }

@@ -31,7 +31,7 @@ from . import recipe as recipes
 from .bundle import Bundle, BundleWriter
 from .capture import versions
 from .certify import finite_difference_certificate
-from .errors import BundleError, RecipeError, UsageError
+from .errors import BundleError, NotReplayable, RecipeError, UsageError
 from .numerics import PrecisionMode
 from .steps import build_model
 
@@ -96,6 +96,9 @@ def replay(
     cap = Bundle(capture)
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
+    if "inputs" not in cap.groups() or not cap.names("inputs"):
+        raise NotReplayable(f"{cap.path} holds no inputs (an msprobe import or its merge): it can only be scored against "
+                            "an oracle of the same step; capture the step with the Megatron hook or oracle.Capture to replay it")  # fmt: skip
     t0 = time.perf_counter()
     base = {
         "recipe": cap.get("recipe"),
