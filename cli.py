@@ -279,19 +279,33 @@ def merge(
     ranks: list[Path] = typer.Argument(..., help="Rank bundles written by oracle.megatron.capture_rank, or folders of them."),
     out: Path = typer.Option(..., "--out", help="Merged capture bundle to write."),
     recipe: str = typer.Option(..., help="Recipe whose HF names to map to (qwen3, qwen3-vl)."),
-    hf_config: Path = typer.Option(..., help="The model's Hugging Face config.json."),
+    hf_config: Path | None = typer.Option(
+        None, help="Override: a Hugging Face config.json checked against the run's (needed for qwen3-vl and msprobe imports)."
+    ),
+    dp_rank: int | None = typer.Option(
+        None, help="DP rank whose micro-batch is the step (default: 0 before finalize, all DP ranks after)."
+    ),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
-    """Merge per-rank Megatron / MindSpeed captures (TP shards, partial sums) into one capture."""
+    """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture."""
+    from oracle.bundle import Bundle
     from oracle.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
 
-    merge_ranks(ranks, out, recipe=recipe, hf_config=load_hf_config(hf_config), overwrite=overwrite)
-    from oracle.bundle import Bundle
-
+    config = load_hf_config(hf_config) if hf_config is not None else None
+    merge_ranks(ranks, out, recipe=recipe, hf_config=config, dp_rank=dp_rank, overwrite=overwrite)
     b = Bundle(out)
     meg = b.get("megatron")
-    typer.echo(f"merged {len(meg['merged_from'])} TP rank(s) ({meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")
+    vocab = meg["vocab"]
+    typer.echo(
+        f"merged {len(meg['merged_from'])} rank(s) (TP {meg['tp_size']}, PP {meg['pp_size']}, DP ranks {meg['dp_ranks']}, "
+        f"{meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}"
+    )
+    typer.echo(f"  vocabulary: {vocab['padded']} rows (padded; true {vocab['true'] or 'unknown'}), kept whole for the replay")
+    if meg.get("packing"):
+        typer.echo(f"  {meg['packing']}")
+    if not b.names("inputs"):
+        typer.echo("  no inputs recorded: this capture can be scored against an oracle of the same step, not replayed")
     for wmsg in meg["warnings"]:
         typer.echo(f"  warning: {wmsg}")
 
@@ -300,14 +314,15 @@ def merge(
 @user_errors
 def rank_view_cmd(
     oracle: Path = typer.Argument(..., help="Oracle of a merged Megatron capture."),
-    tp: int = typer.Option(..., help="Tensor-parallel size of the run to view."),
     rank: int = typer.Option(0, help="TP rank."),
-    sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallel on."),
-    stage: str = typer.Option("pre-finalize", help="pre-finalize or post-finalize."),
-    per_token_loss: bool = typer.Option(
-        True,
+    pp_rank: int = typer.Option(0, help="Pipeline stage."),
+    tp: int | None = typer.Option(None, help="Override the recorded tensor-parallel size."),
+    sp: bool | None = typer.Option(None, "--sp/--no-sp", help="Override the recorded sequence parallel."),
+    stage: str | None = typer.Option(None, help="Override the recorded stage: pre-finalize or post-finalize."),
+    per_token_loss: bool | None = typer.Option(
+        None,
         "--per-token-loss/--no-per-token-loss",
-        help="calculate_per_token_loss (ms-swift's default): pre-finalize grads are of the loss SUM.",
+        help="Override the recorded calculate_per_token_loss (pre-finalize grads are then of the loss SUM).",
     ),
     seq_len_padded: int | None = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
     compare: list[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
@@ -315,24 +330,31 @@ def rank_view_cmd(
     name: list[str] = typer.Option([], "--name", help="Display names for the logs."),
     occurrence: int | None = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
 ) -> None:
-    """What one Megatron rank should have held, from the oracle; compared with rank captures or norm logs."""
-    from oracle.errors import RecipeError
-    from oracle.megatron.rankview import compare_logs, compare_rank, rank_view
+    """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
+    from oracle.bundle import Bundle
+    from oracle.errors import UsageError
+    from oracle.megatron.rankview import STAGES, compare_logs, compare_rank, rank_view, recorded_layout
 
-    if stage not in ("pre-finalize", "post-finalize"):
-        raise RecipeError("--stage must be pre-finalize or post-finalize")
-    view = rank_view(
-        oracle,
-        tp_size=tp,
-        rank=rank,
-        sequence_parallel=sp,
-        stage=stage,
-        calculate_per_token_loss=per_token_loss,
-        seq_len_padded=seq_len_padded,
+    if stage is not None and stage not in STAGES:
+        raise UsageError("--stage must be pre-finalize or post-finalize")
+    warnings: list[str] = []
+    view = rank_view(oracle, rank=rank, pp_rank=pp_rank, tp_size=tp, sequence_parallel=sp, stage=stage,
+                     calculate_per_token_loss=per_token_loss, seq_len_padded=seq_len_padded, warnings=warnings)  # fmt: skip
+    lay, _ = recorded_layout(
+        Bundle(oracle), tp_size=tp, sequence_parallel=sp, stage=stage, calculate_per_token_loss=per_token_loss
     )
-    typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage}: {len(view)} gradients")
+    for wmsg in warnings:
+        typer.echo(f"warning: {wmsg}", err=True)
+    loss = "per-token (sum before finalize)" if lay["calculate_per_token_loss"] else "mean"
+    typer.echo(
+        f"rank view: TP={lay['tp_size']}{' SP' if lay['sequence_parallel'] else ''} rank {rank}, stage {pp_rank} of PP "
+        f"{lay['pp_size']}, {lay['stage']}, {loss} loss: {len(view)} gradients"
+    )
     for b in compare:
         errs = compare_rank(view, b)
+        if not errs:
+            typer.echo(f"  {b}: no gradient in common with the view")
+            continue
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
     if logs:
@@ -349,24 +371,35 @@ def import_msprobe(
     dump: Path = typer.Argument(..., help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0)."),
     out: Path = typer.Option(..., "--out", help="Capture (or norm-only) bundle to write."),
     step: int | None = typer.Option(None, help="Which step{N} of the dump."),
-    rank: int | None = typer.Option(None, help="Which rank{N} of the dump."),
+    rank: int | None = typer.Option(None, help="Which rank{N} of the dump (the global rank)."),
     precision: str = typer.Option("unknown", help="Precision the dumped run used."),
     megatron_tp: int | None = typer.Option(
         None, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`."
     ),
+    megatron_dp: int = typer.Option(1, help="Megatron: the run's DP size (the dump names only the global rank)."),
+    megatron_pp: int = typer.Option(1, help="Megatron: the run's PP size (layers assumed evenly split over stages)."),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Megatron: sequence parallel was on."),
     stage: str = typer.Option("pre-finalize", help="Megatron: when the gradients were dumped."),
     overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
 ) -> None:
     """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics)."""
     from oracle.bundle import Bundle
+    from oracle.errors import UsageError
     from oracle.msprobe import import_dump
 
-    import_dump(dump, out, step=step, rank=rank, precision=precision, megatron_tp=megatron_tp,
-                megatron_rank=rank, sequence_parallel=sp, stage=stage, overwrite=overwrite)  # fmt: skip
+    if stage not in ("pre-finalize", "post-finalize"):
+        raise UsageError("--stage must be pre-finalize or post-finalize")
+    import_dump(dump, out, step=step, rank=rank, precision=precision, megatron_tp=megatron_tp, megatron_rank=rank,
+                megatron_dp=megatron_dp, megatron_pp=megatron_pp, sequence_parallel=sp, stage=stage,
+                overwrite=overwrite)  # fmt: skip
     b = Bundle(out)
     what = f"{len(b.names('grads'))} gradient tensors" if b.kind == "capture" else f"{len(b.get('norms'))} gradient norms"
     typer.echo(f"imported {what} from {dump} -> {out}")
+    meg = b.get("megatron")
+    if meg:
+        c = meg["coords"]
+        typer.echo(f"  Megatron rank {c['rank']}: TP {c['tp_rank']}/{c['tp_size']}, DP {c['dp_rank']}/{c['dp_size']}, "
+                   f"PP {c['pp_rank']}/{c['pp_size']}; no inputs: its merge can be scored, not replayed")  # fmt: skip
 
 
 @app.command()

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from oracle.bundle import Bundle
-from oracle.errors import BundleError
+from oracle.errors import BundleError, NotReplayable
 from oracle.megatron.merge import merge_ranks
 from oracle.msprobe import import_dump
 from oracle.replay import replay
@@ -79,6 +79,9 @@ def test_megatron_tp2_dump_is_merged_and_scored(tmp_path):
     oracle = replay(merge_ranks([tmp_path / "run" / "pre"], tmp_path / "hook", recipe="qwen3", hf_config=HF), tmp_path / "oracle")
     c = score(oracle, [merged])["captures"][0]
     assert len(c["params"]) == 25 and max(p["rel_l2"] for p in c["params"]) <= 1e-5
+    assert [Bundle(r).get("megatron")["coords"]["tp_rank"] for r in ranks] == [0, 1]
+    with pytest.raises(NotReplayable, match="holds no inputs"):  # an msprobe merge can only be scored
+        replay(merged, tmp_path / "no")
 
 
 def test_dump_json_cannot_point_outside_its_folder(tmp_path):

@@ -104,3 +104,17 @@ def hf_config(run: dict[str, Any], recipe: str, given: dict[str, Any] | None) ->
     if nested and "vocab_size" in cfg and "vocab_size" in text:
         cfg["vocab_size"] = text["vocab_size"]
     return cfg, true_vocab
+
+
+def with_padded_vocab(cfg: dict[str, Any], recipe: str, padded: int | None) -> tuple[dict[str, Any], int | None]:
+    """The config with the merged tensors' padded vocabulary; a smaller given one is the true vocabulary."""
+    text = cfg.get("text_config", cfg) if recipe != "qwen3" else cfg
+    v = text.get("vocab_size")
+    if padded is None or v == padded:
+        return cfg, None
+    if v is not None and v > padded:
+        raise UsageError(f"--hf-config vocab_size = {v} but the run's vocabulary tensors hold {padded} rows")
+    text["vocab_size"] = padded
+    if text is not cfg and "vocab_size" in cfg:
+        cfg["vocab_size"] = padded
+    return cfg, v

@@ -38,6 +38,7 @@ from .. import recipe as recipes
 from ..bundle import Bundle, BundleWriter
 from ..errors import BundleError, MismatchError
 from .hfconfig import hf_config as run_hf_config
+from .hfconfig import with_padded_vocab
 from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
 from .names import NameMap, strip_wrappers
 from .packing import packed_inputs
@@ -163,6 +164,14 @@ def _loss(chosen: dict, info: dict) -> dict[str, Any]:
     return loss
 
 
+def _merge(mname: str, group: str, kind: str, shards: list[torch.Tensor], heads: Heads, dim: int) -> tuple[torch.Tensor, ...]:
+    """layout.merge_tensor, its shape errors naming the tensor (torch's own included)."""
+    try:
+        return merge_tensor(kind, shards, heads=heads, dim=dim)
+    except (BundleError, RuntimeError) as e:
+        raise BundleError(f"{group}/{mname} ({kind}, shards {[tuple(t.shape) for t in shards]}): {e}") from None
+
+
 def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_config: dict[str, Any] | None = None,
                 dp_rank: int | None = None, overwrite: bool = False) -> Path:  # fmt: skip
     bundles = rank_bundles(paths)
@@ -201,7 +210,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                 )
             dim = max(layout.get("partition_dim", 0), 0)
             partial = partial_sum(local, tp=tp, marked=bool(layout.get("sequence_parallel", False)))
-            merged_w = merge_tensor(kind, per_rank_w, heads=heads, dim=dim)
+            merged_w = _merge(mname, "weights", kind, per_rank_w, heads, dim)
             if kind in ("norm", "copy") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
                 warnings.append(f"{mname}: replicated weight differs across TP ranks; rank 0's copy is used")
             if ranks[0].has("grads", mname):
@@ -218,7 +227,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                                     f"{mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used"
                                 )
                 else:
-                    merged_g = merge_tensor(kind, per_rank_g, heads=heads, dim=dim)
+                    merged_g = _merge(mname, "grads", kind, per_rank_g, heads, dim)
                 for n, t in zip(hf, merged_g):
                     grads[n] = t
             for n, t in zip(hf, merged_w):
@@ -236,6 +245,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
             }
     vocab_rows = {int(weights[m["hf"][0]].shape[0]) for m in mapping.values() if m["kind"] == "vocab"}
     padded = vocab_rows.pop() if len(vocab_rows) == 1 else run.get("vocab_size")
+    config, given_true = with_padded_vocab(config, recipe, padded)
+    true_vocab = true_vocab or given_true
     inputs, packing = packed_inputs(_inputs(chosen, info))
     with BundleWriter(out, "capture", overwrite=overwrite) as w:
         w.manifest.update(

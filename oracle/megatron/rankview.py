@@ -158,8 +158,11 @@ def rank_view(
         if hf[0].removesuffix(_SUFFIX) in partials:
             t = partials[hf[0].removesuffix(_SUFFIX)][rank]
         elif all(n in grads for n in hf):
-            t = shard_of(m["kind"], [grads[n] for n in hf], tp=tp, rank=rank, heads=heads, dim=m.get("dim", 0),
-                         vocab_rows=vocab_rows)  # fmt: skip
+            try:
+                t = shard_of(m["kind"], [grads[n] for n in hf], tp=tp, rank=rank, heads=heads, dim=m.get("dim", 0),
+                             vocab_rows=vocab_rows)  # fmt: skip
+            except (BundleError, RuntimeError) as e:
+                raise BundleError(f"{mname} (from {', '.join(hf)}): {e}") from None
         else:
             continue
         view[mname] = t * scale
