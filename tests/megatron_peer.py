@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
        "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "seq_len": 16}  # fmt: skip
 SEED = 1234
+PACKED = [0, 5, 11, CFG["seq_len"]]  # sample boundaries of the packed run
 
 
 def batch(vocab: int = CFG["vocab_size"], seed: int = 7) -> dict[str, torch.Tensor]:
@@ -129,6 +130,11 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     b = batch(vocab, seed=7 + parallel_state.get_data_parallel_rank())
     s = b["tokens"].shape[1]
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # 2. explicit causal mask (True = masked)
+    if opts.get("packed"):  # samples [0, 5), [5, 11), [11, s) packed in one row: the mask reset per sample
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool)
+        for a, e in zip(PACKED[:-1], PACKED[1:]):
+            mask[..., a:e, a:e] = torch.ones(e - a, e - a, dtype=torch.bool).triu(1)
+        b["attention_mask"] = mask
     n_tokens = int(b["loss_mask"].sum())
     seen: dict[str, float] = {}
     if pp == 1:
@@ -175,10 +181,12 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
 
 def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
-             per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1) -> str:  # fmt: skip
+             per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
-    vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP)."""
-    opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by}
+    vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
+    in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD)."""
+    opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
+            "packed": packed}  # fmt: skip
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 

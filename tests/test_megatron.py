@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import rewrite_grads
-from megatron_peer import CFG, run_peer
+from megatron_peer import CFG, PACKED, run_peer
 from typer.testing import CliRunner
 
 from cli import app
@@ -199,6 +199,21 @@ def test_packed_boundaries_become_cu_seqlens_and_restarting_positions(peers, tmp
         assert b.get("megatron")["packing"].startswith("packed: 3 samples")
     plain = Bundle(merge_ranks([peers / "tp2" / "pre"], tmp_path / "plain", recipe="qwen3"))
     assert not plain.has("inputs", "cu_seqlens") and plain.get("megatron")["packing"] is None
+
+
+def test_a_real_packed_step_merges_into_its_boundaries_and_is_another_step(tmp_path):
+    """megatron-core with the attention mask reset per sample: the merge finds the samples; their gradients
+    differ from the same batch unpacked, so a replay must restrict attention to each sample."""
+    run_peer(str(tmp_path / "packed"), 1, False, port=29680, vocab=V, divisible_by=128, packed=True)
+    run_peer(str(tmp_path / "plain"), 1, False, port=29690, vocab=V, divisible_by=128)
+    b = Bundle(merge_ranks([tmp_path / "packed" / "pre"], tmp_path / "packed.merged", recipe="qwen3"))
+    assert b.load("inputs", "cu_seqlens").tolist() == PACKED
+    assert torch.equal(b.load("inputs", "position_ids"), torch.arange(CFG["seq_len"])[None])  # mcore's rope: 0..T-1
+    plain = Bundle(merge_ranks([tmp_path / "plain" / "pre"], tmp_path / "plain.merged", recipe="qwen3"))
+    assert not plain.has("inputs", "cu_seqlens") and b.fingerprint()["weights"] == plain.fingerprint()["weights"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    g, t = b.load("grads", name).double(), plain.load("grads", name).double()
+    assert float((g - t).norm() / t.norm()) > 0.05
 
 
 def test_a_bundle_without_inputs_can_only_be_scored(merged, tmp_path):
