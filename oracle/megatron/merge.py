@@ -87,7 +87,10 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
         raise BundleError("context-parallel captures (CP > 1) hold a slice of the sequence per rank; they are not merged")
     if dp_rank is not None and not 0 <= dp_rank < dp:
         raise BundleError(f"--dp-rank {dp_rank} is outside DP size {dp}")
-    dps = [dp_rank or 0] if stage == "pre-finalize" or dp_rank is not None else list(range(dp))
+    if dp_rank is not None and stage == "post-finalize" and dp > 1:
+        raise BundleError(f"--dp-rank {dp_rank}: after finalize every DP rank holds the gradient of all {dp} DP ranks' "
+                          "batches, so the step is all of them; --dp-rank selects a micro-batch before finalize")  # fmt: skip
+    dps = [dp_rank or 0] if stage == "pre-finalize" else list(range(dp))
     chosen: dict[tuple[int, int, int], Bundle] = {}
     for b, m in zip(bundles, metas):
         c = m["coords"]
@@ -248,13 +251,14 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     config, given_true = with_padded_vocab(config, recipe, padded)
     true_vocab = true_vocab or given_true
     inputs, packing = packed_inputs(_inputs(chosen, info))
+    loss = _loss(chosen, info)
     with BundleWriter(out, "capture", overwrite=overwrite) as w:
         w.manifest.update(
             recipe={"name": recipe, "config": config}, precision=chosen[d0, 0, 0].get("precision"),
-            device=chosen[d0, 0, 0].get("device"), versions=chosen[d0, 0, 0].get("versions"), loss=_loss(chosen, info), seed=None,
+            device=chosen[d0, 0, 0].get("device"), versions=chosen[d0, 0, 0].get("versions"), loss=loss, seed=None,
             megatron={"stage": stage, "tp_size": tp, "pp_size": pp, "dp_size": info["dp"], "dp_ranks": info["dps"],
                       "sequence_parallel": bool(run.get("sequence_parallel")),
-                      "calculate_per_token_loss": meta.get("calculate_per_token_loss"), "num_tokens": meta.get("num_tokens"),
+                      "calculate_per_token_loss": meta.get("calculate_per_token_loss"), "num_tokens": loss.get("num_tokens"),
                       "seq_length": run.get("seq_length"),
                       "vocab": {"padded": padded, "true": true_vocab,
                                 "divisible_by": run.get("make_vocab_size_divisible_by", VOCAB_DIVISIBLE_BY)},
