@@ -32,7 +32,7 @@ from . import recipe as recipes
 from .bundle import Bundle, BundleWriter, check_output
 from .capture import versions
 from .certify import finite_difference_certificate
-from .errors import BundleError, RecipeError, UsageError
+from .errors import BundleError, NotReplayable, RecipeError, UsageError
 from .loss import chunked_head
 from .numerics import PrecisionMode
 from .shapes import stored_shapes
@@ -104,6 +104,9 @@ def replay(
     check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
+    if "inputs" not in cap.groups() or not cap.names("inputs"):
+        raise NotReplayable(f"{cap.path} holds no inputs (an msprobe import or its merge): it can only be scored against "
+                            "an oracle of the same step; capture the step with the Megatron hook or oracle.Capture to replay it")  # fmt: skip
     t0 = time.perf_counter()
     base = {
         "recipe": cap.get("recipe"),
