@@ -63,7 +63,7 @@ def run_step(
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
-    attention.use(model)  # exact chunked attention (oracle/attention.py), as the streaming replay runs
+    use_replay_attention(model, round_to)
     if instrument is not None:
         instrument(model)
     torch.manual_seed(0)
@@ -189,3 +189,12 @@ def carry_inputs_and_weights(cap: Bundle, w: BundleWriter) -> None:
             by_file.setdefault(e["file"], {})[name] = {k: v for k, v in e.items() if k != "file"}
         for fname, entries in by_file.items():
             w.adopt(group, cap.path / fname, entries)
+
+
+def use_replay_attention(model: torch.nn.Module, round_to) -> None:
+    """The oracle runs attention through the exact chunked kernel (oracle/attention.py): float64,
+    O(T x chunk) memory. An emulated run keeps the recipe's fused sdpa: one op, rounded once at its
+    output, as a device's fused (flash) attention is; rounding each chunk's scores would overstate
+    the honest error."""
+    if round_to is None:
+        attention.use(model)

@@ -24,7 +24,9 @@ from .errors import RecipeError, UsageError
 from .numerics import PrecisionMode
 from .stream import StreamEngine, largest_unit_bytes, max_rss_bytes, rss_bytes, tame_malloc, work_dir
 
-WORKING_SET_FACTOR = 6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
+WORKING_SET_FACTOR = (
+    6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
+)
 
 
 def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
