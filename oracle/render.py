@@ -12,6 +12,11 @@ def _f(x: Any, spec: str = ".2e") -> str:
     return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
+def _num(x: Any) -> float:
+    """A sort key: NaN sorts as +inf (an excess that cannot be computed is not a small one)."""
+    return float("inf") if x != x else x
+
+
 def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str:
     o = result["oracle"]
     lines = [f"oracle: {o['path']}  ({o['precision']}, loss {_f(o['loss'], '.10g')})"]
@@ -26,8 +31,10 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
         lines.append("")
         lines.append(f"== {c['name']}  [{c['precision']}]  loss {_f(c['loss'], '.10g')}  band: {c['band_kind']}")
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
-        worst = sorted(c["params"], key=lambda r: -r["excess"])[:top]
-        lines.append("  worst parameters (by excess over band)")
+        # non-finite tensors first, in backward order (where they appear first), then by excess
+        nf = {n: i for i, n in enumerate(c["verdict"].get("nonfinite_params") or [])}
+        worst = sorted(c["params"], key=lambda r: (nf.get(r["name"], len(nf)), -_num(r["excess"])))[:top]
+        lines.append("  worst parameters (non-finite first, then by excess over band)")
         lines.append(f"  {'parameter':<60} {metric:>9} {'band':>9} {'excess':>8} {'cosine':>9} {'norm_ratio':>10}  class")
         for r in worst:
             err = abs(r["norm_ratio"] - 1) if c["norms_only"] else r["rel_l2"]

@@ -22,3 +22,43 @@ def test_recording_module_boundaries_leaves_every_gradient_bitwise_unchanged(sou
     meta = rec.manifest["modules"][attn]
     assert meta["grad_in"] and all(rec.has(group_name(attn), f"gin.{i}") for i in meta["grad_in"])
     assert len(rec.manifest["modules"]) > 20
+
+
+def _cap(result, i=0):
+    return result["captures"][i]
+
+
+def test_non_finite_gradients_are_named_first_along_the_backward_and_listed_first(fp32_capture, oracle_bundle, tmp_path):
+    from helpers import rewrite_grads
+
+    from oracle.render import render
+    from oracle.score import score
+
+    far, near = "model.language_model.embed_tokens.weight", "model.language_model.layers.3.mlp.down_proj.weight"
+
+    def poison(n, g):
+        if n in (far, near):
+            g = g.clone()
+            g.view(-1)[0] = float("nan")
+        return g
+
+    order = Bundle(oracle_bundle).get("backward_order")
+    assert order.index(near) < order.index(far)  # the backward reaches layers.3 before the embedding
+    res = score(oracle_bundle, [rewrite_grads(fp32_capture, str(tmp_path / "nan"), poison)])
+    v = _cap(res)["verdict"]
+    assert v["class"] == "non_finite" and v["nonfinite_params"] == [near, far]
+    assert f"first along the backward: {near}" in v["text"]
+    table = render(res, top=3).split("worst parameters")[1].splitlines()[2:4]
+    assert near in table[0] and far in table[1]
+
+
+def test_a_band_of_another_precision_is_refused_unless_forced(amp_capture, oracle_bundle, band):
+    from oracle.errors import UsageError
+    from oracle.score import score
+
+    with pytest.raises(UsageError, match=r"amp-bf16 capture but no --band emulates amp-bf16.*--dtype amp-bf16 --ensemble"):
+        score(oracle_bundle, [amp_capture], band_paths=[band("fp32")])
+    v = _cap(score(oracle_bundle, [amp_capture], band_paths=[band("fp32")], force_band=True))["verdict"]
+    assert v["band_warning"] and "WARNING: band band-fp32 (fp32) measures another precision" in v["text"]
+    ok = _cap(score(oracle_bundle, [amp_capture], band_paths=[band("fp32"), band("amp-bf16")]))
+    assert ok["band_kind"].startswith("emulated amp-bf16") and ok["verdict"]["band_warning"] is None
