@@ -23,7 +23,8 @@ budget would be exceeded. Hooks are removed in ``close()`` / on leaving the cont
 
 Per module the bundle gets one group ``mod.<module name>`` with tensors ``in.<i>``, ``out.<i>``,
 ``gout.<i>``, ``gin.<i>`` (i = pytree leaf index), and ``manifest["modules"][name]`` with the
-serialised input tree spec, the non-tensor leaves, the leaf indices with gradients, and the call count.
+serialised input tree spec, the non-tensor leaves, the leaf indices with gradients, the call count,
+and ``order``, the module's place in the order forward calls finished.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ModuleRecorder:
         self.tensors: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
         self.meta: dict[str, dict[str, Any]] = {n: {"calls": 0} for n in names}
         self._handles: list[Any] = []
+        self._finished = 0
         self._pending: dict[str, tuple[dict[tuple[int, int], int], int, list]] = {}  # pre -> post of one call
 
     # -- storing ----------------------------------------------------------------------------
@@ -124,6 +126,8 @@ class ModuleRecorder:
             if meta["calls"] > 1:
                 return None
             leaves, _ = tree_flatten(output)
+            meta["order"] = self._finished  # forward completion order; the backward runs it in reverse
+            self._finished += 1
             meta["grad_out"] = []
             roots = []
             for i, v in enumerate(leaves):

@@ -51,3 +51,17 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
     lines.append("verdict:")
     lines += ["  " + ln for ln in result["summary"].splitlines()]
     return "\n".join(lines)
+
+
+def render_local(res: dict[str, Any]) -> str:
+    """A local-replay score (score_local.py): per module the error born there and its ratio to an
+    honest run of the same module, culprits (non-finite births first), the verdict."""
+    lines = [f"local replay {res['local']} ({res['precision']}): error born in each module vs an honest run of the same module",
+             f"  {'module':<52} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
+    for r in sorted(res["modules"], key=lambda r: -_num(r["ratio"])):
+        flag = f"  NON-FINITE born in its {r['born_nonfinite']}" if r.get("born_nonfinite") else ""
+        lines.append(f"  {r['module'][-52:]:<52} {_f(r.get('fwd')):>9} {_f(r.get('ratio_fwd'), '.1f'):>7} {_f(r.get('bwd')):>9} "
+                     f"{_f(r.get('ratio_bwd'), '.1f'):>7} {_f(r.get('param')):>9} {_f(r.get('ratio_param'), '.1f'):>7} "
+                     f"{_f(r.get('inherited')):>9}{flag}")  # fmt: skip
+    lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]
+    return "\n".join(lines)

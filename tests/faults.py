@@ -60,3 +60,40 @@ def lowp_norm_backward(layer: int, dtype=torch.bfloat16):
         norm.register_forward_hook(hook)
 
     return instrument
+
+
+class _NanInBackward(torch.autograd.Function):
+    """Identity forward; the backward puts a NaN into the first element of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+
+def nan_in_backward(path: str):
+    """Module ``path``'s backward sends a NaN back (its forward is untouched)."""
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_hook(lambda m, a, out: _NanInBackward.apply(out))
+
+    return instrument
+
+
+def nan_in_forward(path: str):
+    """Module ``path`` returns one NaN in its output."""
+
+    def hook(m, a, out):
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_hook(hook)
+
+    return instrument

@@ -62,3 +62,55 @@ def test_a_band_of_another_precision_is_refused_unless_forced(amp_capture, oracl
     assert v["band_warning"] and "WARNING: band band-fp32 (fp32) measures another precision" in v["text"]
     ok = _cap(score(oracle_bundle, [amp_capture], band_paths=[band("fp32"), band("amp-bf16")]))
     assert ok["band_kind"].startswith("emulated amp-bf16") and ok["verdict"]["band_warning"] is None
+
+
+MLP2, DOWN2 = "model.language_model.layers.2.mlp", "model.language_model.layers.2.mlp.down_proj"
+MLP1 = "model.language_model.layers.1.mlp"
+
+
+@pytest.mark.parametrize(
+    "name,plant,module,direction",
+    [("nan-bwd", "nan_in_backward", MLP2, "backward"), ("nan-fwd", "nan_in_forward", MLP1, "forward")],
+)
+def test_a_nan_born_in_a_module_is_its_culprit_with_the_direction(source, sample, oracle_bundle, tmp_path, name, plant, module,
+                                                                  direction):  # fmt: skip
+    import faults
+
+    from oracle.local import replay_local
+    from oracle.render import render_local
+    from oracle.score_local import score_local
+
+    target = DOWN2 if plant == "nan_in_backward" else MLP1
+    cap = capture_recipe_step(source, sample, str(tmp_path / name), instrument=getattr(faults, plant)(target),
+                              modules="layers,sublayers,head")  # fmt: skip
+    res = score_local(replay_local(cap, tmp_path / f"{name}.local", modules=r"layers\.[0-3](\.mlp)?$|^loss$", members=1))
+    assert res["culprits"][0] == module and res["verdict"]["direction"] == direction, res["verdict"]["text"]
+    assert res["verdict"]["class"] == "non_finite" and "non-finite values are born" in res["verdict"]["text"]
+    born = [r["module"] for r in res["modules"] if r["born_nonfinite"]]
+    assert born == ["model.language_model.layers." + module.split(".")[3], module]  # the layer holding it, and it
+    assert res["culprits"][1:] == []  # the layer yields to its child; modules that only inherit the NaN are not blamed
+    assert "NON-FINITE born in its " + direction in render_local(res)
+    if direction == "backward":  # end to end: the first non-finite gradient along the backward is down_proj's
+        from oracle.score import score
+
+        v = score(oracle_bundle, [cap])["captures"][0]["verdict"]
+        assert v["class"] == "non_finite" and v["nonfinite_params"][0].startswith(DOWN2), v["text"]
+
+
+def test_local_scoring_honours_tol_refuses_band_and_writes_a_report(source, sample, tmp_path):
+    from oracle.errors import UsageError
+    from oracle.local import replay_local
+    from oracle.report import write_local_report
+    from oracle.score_local import score_local
+
+    cap = capture_recipe_step(source, sample, str(tmp_path / "c"), modules="layers")
+    loc = replay_local(cap, tmp_path / "c.local", modules=r"layers\.3$", members=1)
+    base = score_local(loc)
+    assert base["culprits"] == [] and base["floor"] == pytest.approx(2.0**-24 / 4)
+    strict = score_local(loc, tol_overrides={"fp32": {"floor": 1e-30}}, margin=1e-6)
+    assert strict["floor"] == 1e-30 and strict["culprits"] == ["model.language_model.layers.3"]
+    with pytest.raises(UsageError, match="own per-module band"):
+        score_local(loc, band_paths=["band"])
+    page = write_local_report(strict, tmp_path / "rep")
+    assert "culprit: model.language_model.layers.3" in page.read_text()
+    assert (tmp_path / "rep" / "modules.csv").read_text().count("\n") == 1 + len(strict["modules"])
