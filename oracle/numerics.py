@@ -74,6 +74,7 @@ _FP32_CPU = {_aten.nll_loss_forward.default, _aten.mse_loss.default, _aten.prod.
 # Outside those lists an op runs in its inputs' dtype. Mixed-dtype kernels are the exception:
 # CPU layer_norm takes a bf16 input with fp32 weight and returns the input's dtype (its backward
 # the same for grad_input), computing in float32 inside. func -> (arg deciding, outputs that follow).
+# (CPU only: CUDA's autocast runs layer_norm in float32.)
 _FOLLOWS_INPUT = {
     _aten.native_layer_norm.default: (0, (0,)),
     _aten.native_layer_norm_backward.default: (1, (0,)),
@@ -318,7 +319,8 @@ class PrecisionMode(TorchDispatchMode):
         if amp and func.is_view:
             out = func(*args, **kwargs)
             return tree_map(self.mark_low, out) if self._is_low(args[0]) else out
-        if amp and func in _FOLLOWS_INPUT and func not in self._fp32_ops and self._is_low(args[_FOLLOWS_INPUT[func][0]]):
+        cpu_low = self._fp32_ops is _FP32_CPU and self.round_to not in (None, self.compute)
+        if amp and cpu_low and func in _FOLLOWS_INPUT and self._is_low(args[_FOLLOWS_INPUT[func][0]]):
             out = list(tree_map(self._promote, func(*tree_map(self._promote, args), **kwargs)))
             for i in _FOLLOWS_INPUT[func][1]:
                 out[i] = self.mark_low(self._round(out[i]))
@@ -349,6 +351,8 @@ class PrecisionMode(TorchDispatchMode):
         out = tree_map(self._promote, func(*args, **kwargs))
         if not rounds:
             return out
+        if cpu_low and func == _aten.native_layer_norm_backward.default:  # pure bf16: the same kernel sums
+            out = tuple(self._layer_norm_param_grads(list(out), *args[:5]))
         if keep[1]:  # outputs the kernel keeps in float32 (attention's logsumexp)
             return tuple(o if i in keep[1] else self.mark_low(self._round(o)) for i, o in enumerate(out))
         out = tree_map(self._round, out)
