@@ -74,14 +74,15 @@ class _Worker:
             )
         return self.models[dtype]
 
-    def run(self, name: str, dtype: str, jitter: int | None) -> dict[str, list[torch.Tensor]]:
-        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs."""
+    def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None) -> dict[str, list[torch.Tensor]]:
+        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs (inside ``mode``
+        when given: explain.py's per-op-class modes, on the ``dtype`` model)."""
         compute, round_to, ops = emulation(dtype)
         meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
         group = group_name(name if name != LOSS else "lm_head")
         stored = set(self.cap.names(group))
 
-        mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
+        mode = mode or PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
 
         def load(key: str) -> torch.Tensor:
             t = self.cap.load(group, key)

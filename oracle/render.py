@@ -65,3 +65,16 @@ def render_local(res: dict[str, Any]) -> str:
                      f"{_f(r.get('inherited')):>9}{flag}")  # fmt: skip
     lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]
     return "\n".join(lines)
+
+
+def render_explain(res: dict[str, Any]) -> str:
+    """An op-level attribution (explain.py): classes ranked by the share of the device's error
+    each reproduces when run alone in the capture's format."""
+    lines = [f"explain {res['module']} in {res['capture']} ({res['precision']}; classes run in {res['format']})",
+             f"  device error (relative, outputs + grad_inputs + parameter grads): {_f(res['device_rel_error'])}",
+             f"  {'op class':<14} {'share_only':>10} {'scale':>8} {'share_except':>12} {'class error':>11}"]  # fmt: skip
+    for r in res["classes"]:
+        lines.append(f"  {r['class']:<14} {r['share_only']:>10.1%} {_f(r['scale_only'], '.2g'):>8} "
+                     f"{r['share_except']:>12.1%} {_f(r['rel_only']):>11}")  # fmt: skip
+    lines += ["", "verdict: " + res["text"]]
+    return "\n".join(lines)

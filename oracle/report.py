@@ -120,9 +120,23 @@ LOCAL_CSV_FIELDS = ["module", "calls", "order", "fwd", "expected_fwd", "ratio_fw
                     "param", "expected_param", "ratio_param", "inherited", "ratio", "class", "direction", "born_nonfinite"]  # fmt: skip
 
 
-def write_local_report(res: dict[str, Any], out_dir: str | Path) -> Path:
+def explain_section(res: dict[str, Any]) -> str:
+    """The HTML section of one op-level attribution (explain.py)."""
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(r['class'])}</td><td>{r['share_only']:.1%}</td><td>{r['scale_only']:.2g}</td>"
+        f"<td>{r['share_except']:.1%}</td><td>{r['rel_only']:.3e}</td></tr>"
+        for r in res["classes"]
+    )
+    return (f"<h2>op classes in {e(res['module'])} (run in {e(res['format'])})</h2><p>{e(res['text'])}</p>"
+            "<table><tr><th>op class</th><th>share of the device's error reproduced</th><th>scale</th>"
+            f"<th>share, in context</th><th>class error</th></tr>{rows}</table>")  # fmt: skip
+
+
+def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list[dict[str, Any]] = ()) -> Path:
     """``oracle score LOCAL --report DIR``: ``score.json`` (non-finite numbers as null),
-    ``modules.csv`` and ``index.html`` (the verdict and the per-module table, culprits first)."""
+    ``modules.csv`` and ``index.html`` (the verdict and the per-module table, culprits first; then
+    a section per op-level attribution in ``explained``, from ``oracle explain``)."""
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +167,20 @@ def write_local_report(res: dict[str, Any], out_dir: str | Path) -> Path:
                      f"<td>{num(r.get('bwd'))}</td><td>{num(r.get('ratio_bwd'), '.1f')}</td><td>{num(r.get('param'))}</td>"
                      f"<td>{num(r.get('ratio_param'), '.1f')}</td><td>{num(r.get('inherited'))}</td><td>{r['class']}</td>"
                      f"<td>{r.get('direction') or ''}</td></tr>")  # fmt: skip
-    parts.append("</table></body></html>")
+    parts.append("</table>")
+    parts += [explain_section(x) for x in explained]
+    parts.append("</body></html>")
     (out / "index.html").write_text("\n".join(parts))
+    return out / "index.html"
+
+
+def write_explain_report(res: dict[str, Any], out_dir: str | Path) -> Path:
+    """``oracle explain ... --report DIR``: ``explain.json`` and ``index.html``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(_clean(res), out / "explain.json")
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>oracle explain</title><style>body{font-family:sans-serif;"
+            "margin:2em}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+            f"</head><body><h1>oracle: op-level attribution</h1>{explain_section(res)}</body></html>")  # fmt: skip
+    (out / "index.html").write_text(page)
     return out / "index.html"

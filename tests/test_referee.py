@@ -114,3 +114,39 @@ def test_local_scoring_honours_tol_refuses_band_and_writes_a_report(source, samp
     page = write_local_report(strict, tmp_path / "rep")
     assert "culprit: model.language_model.layers.3" in page.read_text()
     assert (tmp_path / "rep" / "modules.csv").read_text().count("\n") == 1 + len(strict["modules"])
+
+
+@pytest.mark.parametrize(
+    "plant,module,top,min_share",
+    [("bf16_activation", "model.language_model.layers.2.mlp", "activation", 0.9),
+     ("bf16_attention", "model.language_model.layers.1.self_attn", "attention", 0.05),
+     (None, "model.language_model.layers.2.mlp", None, None)],
+    ids=["activation-in-bf16", "attention-in-bf16", "honest"],
+)  # fmt: skip
+def test_explain_ranks_the_planted_op_class_first(source, sample, tmp_path, plant, module, top, min_share):
+    """An fp32 capture with one op class run in bf16: explain --as bf16 ranks that class first; an
+    honest capture has no class explaining its (fp32-level) error."""
+    import json
+
+    import faults
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    inst = getattr(faults, plant)(int(module.split(".")[3])) if plant else None
+    cap = capture_recipe_step(source, sample, str(tmp_path / "c"), modules="sublayers", instrument=inst)
+    r = CliRunner().invoke(app, ["explain", cap, "--module", module, "--as", "bf16", "--json", str(tmp_path / "x.json"),
+                                 "--report", str(tmp_path / "rep")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "x.json").read_text())
+    assert {c["class"] for c in res["classes"]} >= {"matmul", "attention", "softmax", "normalisation", "activation",
+                                                     "rotary", "reduction", "cast", "loss"}  # fmt: skip
+    best = res["classes"][0]
+    if top is None:
+        assert best["share_only"] < 0.5 and "no op class" in res["text"]
+    else:
+        assert res["top"] == top and best["share_only"] > min_share, r.output
+        assert best["share_only"] > 3 * res["classes"][1]["share_only"]
+    assert "op classes in" in (tmp_path / "rep" / "index.html").read_text() and "share_only" in r.output
+    bad = CliRunner().invoke(app, ["explain", cap, "--module", "no.such.module"])
+    assert bad.exit_code == 2 and "was not recorded" in bad.output
