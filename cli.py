@@ -1,11 +1,9 @@
 """The ``oracle`` command line: parse, call the library, print, exit. No numerics here.
 
-Exit codes (also in README.md and ``oracle --help``):
-  0 success (disagreement is reported, not an error)   1 internal error
-  2 usage error                                        3 input path not found
-  4 bundle malformed / damaged / unsupported schema    5 bundles describe different steps
-  6 output exists (pass --overwrite)                   7 recipe / model / sample problem
-  8 norm log cannot be parsed as asked
+Exit codes: ``oracle.errors.EXIT_CODES`` is the one table (``oracle --help`` prints it, README.md
+repeats it and a test checks that the two agree). Closed choices are Enums derived from the tables
+they come from (precision names from ``oracle/precision.py``); typer refuses anything else with a
+usage error (exit 2), as it does unknown options and missing arguments.
 """
 
 from __future__ import annotations
@@ -16,10 +14,12 @@ import traceback
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from oracle.errors import EXIT_CODES, OracleError
+from oracle import precision as precisions
+from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error
 
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 app = typer.Typer(
@@ -32,27 +32,28 @@ app = typer.Typer(
 )
 
 
-class Precision(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    amp_bf16 = "amp-bf16"
-    amp_fp16 = "amp-fp16"
+def _choices(name: str, values) -> type[Enum]:
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class ReplayDtype(str, Enum):
-    fp64 = "fp64"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    amp_bf16 = "amp-bf16"
-    amp_fp16 = "amp-fp16"
+Precision = _choices("Precision", precisions.CAPTURE_NAMES)
+ReplayDtype = _choices("ReplayDtype", precisions.REPLAY_NAMES)
+RunPrecision = _choices("RunPrecision", precisions.IMPORT_NAMES)
+Device = _choices("Device", ("cpu", "cuda", "npu"))
+Reduction = _choices("Reduction", ("mean", "sum"))
+Stage = _choices("Stage", ("pre-finalize", "post-finalize"))
 
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-    npu = "npu"
+Out = Annotated[Path, typer.Option("--out", help="Bundle directory to write.")]
+Overwrite = Annotated[bool, typer.Option(help="Replace an existing bundle at --out (only a bundle is ever replaced).")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Write the full result as JSON (non-finite numbers as null).")]
+Report = Annotated[Path | None, typer.Option(help="Write PNG, CSV, JSON and an HTML page here.")]
+Margin = Annotated[float, typer.Option(help="Excess over the band above which a parameter, layer or module is beyond noise.")]
+Tol = Annotated[list[str] | None, typer.Option("--tol", help="Override the tolerance table: PRECISION:expected=VALUE or PRECISION:floor=VALUE.")]  # fmt: skip
+Names = Annotated[list[str] | None, typer.Option("--name", help="Display names, in order.")]
+Pattern = Annotated[str | None, typer.Option(help="Logs: regex with (?P<name>..) and (?P<value>..) groups.")]
+Occurrence = Annotated[int | None, typer.Option(help="Logs: take the K-th print of each name (0-based).")]
+LogStep = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<step>..) group equals this.")]
+LogRank = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<rank>..) group equals this.")]
 
 
 def user_errors(fn: Callable) -> Callable:
@@ -67,6 +68,10 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(code=e.exit_code) from None
         except typer.Exit:
             raise
+        except OSError as e:  # the file system refused (permission, disk full, ...): the user's to fix
+            err = from_os_error(e)
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(code=err.exit_code) from None
         except Exception as e:  # a bug: say so, show where, never dump tensors
             typer.echo(f"internal error: {type(e).__name__}: {e}", err=True)
             typer.echo("".join(traceback.format_exception(e, limit=-3)), err=True)
@@ -92,35 +97,47 @@ def _check_device(device: str) -> None:
 @app.command()
 @user_errors
 def capture(
-    out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
-    model: str = typer.Option("tiny-qwen3-vl", help="Embedded model name, or a local Hugging Face model directory."),
-    sample: Path | None = typer.Option(None, help="ms-swift style .jsonl; default: the embedded sample."),
-    index: int = typer.Option(0, help="Line of --sample to use."),
-    device: Device = typer.Option(Device.cpu, help="Device the step runs on."),
-    precision: Precision = typer.Option(Precision.fp32, help="Precision policy of the step."),
-    loss_reduction: str = typer.Option("mean", help="'mean' over loss tokens, or 'sum' (Megatron per-token loss)."),
-    seed: int = typer.Option(0, help="Seed set before the step."),
-    modules: str | None = typer.Option(
-        None,
-        help="Record module boundaries: presets (all, layers, sublayers, vit, mergers, embeddings, head; comma-separated) or a regex.",
-    ),
-    budget_mb: float | None = typer.Option(None, help="Disk budget for module boundaries, MiB."),
-    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-) -> None:
+    out: Out,
+    model: Annotated[str, typer.Option(help="Embedded model name, or a local Hugging Face model directory.")] = "tiny-qwen3-vl",
+    sample: Annotated[Path | None, typer.Option(help="ms-swift style .jsonl; default: the recipe's embedded sample.")] = None,
+    index: Annotated[str, typer.Option(help="Line of --sample to use (0-based), or several (0,3,7) packed into one sequence.")] = "0",
+    pack: Annotated[int | None, typer.Option(min=1, help="Pack N samples of --sample from --index on into one sequence (per-sample attention and positions).")] = None,
+    device: Annotated[Device, typer.Option(help="Device the step runs on.")] = Device.cpu,
+    precision: Annotated[Precision, typer.Option(help="Precision policy of the step.")] = Precision.fp32,
+    loss_reduction: Annotated[Reduction, typer.Option(help="'mean' over loss tokens, or 'sum' (Megatron per-token loss).")] = Reduction.mean,
+    seed: Annotated[int, typer.Option(help="Seed set before the step.")] = 0,
+    modules: Annotated[str | None, typer.Option(help="Record module boundaries: presets (all, layers, sublayers, vit, mergers, embeddings, head; comma-separated) or a regex.")] = None,
+    budget_mb: Annotated[float | None, typer.Option(help="Disk budget for module boundaries, MiB.")] = None,
+    overwrite: Overwrite = False,
+) -> None:  # fmt: skip
     """Take one training step of one sample and write a capture bundle."""
     from oracle import recipe
-    from oracle.errors import RecipeError
     from oracle.samples import read_sample
     from oracle.steps import capture_recipe_step
 
-    if loss_reduction not in ("mean", "sum"):
-        raise RecipeError("--loss-reduction must be 'mean' or 'sum'")
     _check_device(device.value)
     r = recipe.for_model(model)
     src = r.load(model)
-    smp = read_sample(str(sample), index) if sample else r.default_sample()
+    try:
+        indices = [int(i) for i in index.split(",")]
+    except ValueError:
+        raise UsageError(f"--index {index!r}: expected a line number or a comma-separated list (0,3,7)") from None
+    if pack is not None:
+        if len(indices) > 1:
+            raise UsageError("give either --index 0,3,7 or --index N --pack K, not both lists")
+        indices = list(range(indices[0], indices[0] + pack))
+    if any(i < 0 for i in indices):
+        raise UsageError(f"--index {index!r}: line numbers start at 0")
+    if sample:
+        smp = [read_sample(str(sample), i) for i in indices]
+    else:
+        default = r.default_sample()
+        if len(indices) > 1:
+            raise UsageError("packing needs --sample (a .jsonl with several samples)")
+        smp = [default]
+    smp = smp[0] if len(smp) == 1 else smp
     capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
-                        reduction=loss_reduction, seed=seed, overwrite=overwrite, modules=modules,
+                        reduction=loss_reduction.value, seed=seed, overwrite=overwrite, modules=modules,
                         module_budget_mb=budget_mb, echo=typer.echo)  # fmt: skip
     from oracle.bundle import Bundle
 
@@ -133,37 +150,65 @@ def capture(
 @app.command()
 @user_errors
 def replay(
-    capture: Path = typer.Argument(..., help="Capture bundle to replay."),
-    out: Path = typer.Option(..., "--out", help="Bundle directory to write."),
-    dtype: ReplayDtype = typer.Option(ReplayDtype.fp64, help="fp64: the oracle; others: an emulated run (noise band)."),
-    ensemble: int = typer.Option(1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered)."),
-    verify: bool | None = typer.Option(None, "--verify/--no-verify", help="Finite-difference certificate (default: when cheap)."),
-    directions: int = typer.Option(3, help="Random directions for --verify."),
-    local: bool = typer.Option(False, "--local", help="Teacher-forced per-module replay (needs a capture with --modules)."),
-    modules: str | None = typer.Option(None, help="--local: regex selecting recorded modules."),
-    workers: int = typer.Option(1, help="--local: parallel processes."),
-    members: int = typer.Option(2, help="--local: emulated members for the expected local error."),
-    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-) -> None:
+    capture: Annotated[Path, typer.Argument(help="Capture bundle to replay.")],
+    out: Out,
+    dtype: Annotated[ReplayDtype, typer.Option(help="fp64: the oracle; others: an emulated run (noise band).")] = ReplayDtype.fp64,
+    ensemble: Annotated[int, typer.Option(min=1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered).")] = 1,
+    verify: Annotated[bool | None, typer.Option("--verify/--no-verify", help="Finite-difference certificate (default: when cheap).")] = None,
+    directions: Annotated[int, typer.Option(min=1, help="Random directions for --verify.")] = 3,
+    local: Annotated[bool, typer.Option("--local", help="Teacher-forced per-module replay (needs a capture with --modules).")] = False,
+    modules: Annotated[str | None, typer.Option(help="--local: regex selecting recorded modules.")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="--local: parallel processes.")] = 1,
+    members: Annotated[int, typer.Option(min=1, help="--local: emulated members for the expected local error.")] = 2,
+    max_memory: Annotated[str | None, typer.Option(help="Stream the replay within this memory (16G, 512M): weights per unit from the capture, activations spilled to disk past it; resumable.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores). Resume and bitwise repeatability need the same count.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit.")] = False,
+    overwrite: Overwrite = False,
+) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    import os
+
+    import torch
+
     from oracle.bundle import Bundle
     from oracle.replay import replay as do_replay
 
+    torch.set_num_threads(
+        threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads or os.cpu_count() or 1
+    )
+    budget = None
+    if max_memory is not None:
+        from oracle.stream import parse_size
+
+        budget = parse_size(max_memory)
+    if dry_run:
+        from oracle import plan
+
+        typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
+        return
+
     if local:
-        from oracle.errors import RecipeError
         from oracle.local import replay_local
 
         if dtype.value != "fp64":
-            raise RecipeError("--local replays each module in fp64 (and emulates the capture's precision itself)")
+            raise UsageError("--local replays each module in fp64 (and emulates the capture's precision itself); drop --dtype")
         replay_local(capture, out, modules=modules, members=members, workers=workers, overwrite=overwrite)
         typer.echo(f"replayed {len(Bundle(out).get('local'))} modules locally from {capture} -> {out}")
         return
+    if modules is not None or workers != 1:
+        raise UsageError("--modules and --workers apply to --local replays only")
 
     mode = "auto" if verify is None else ("on" if verify else "off")
     do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
-              overwrite=overwrite, progress=ensemble > 1)  # fmt: skip
+              overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget)  # fmt: skip
     b = Bundle(out)
     msg = f"replayed {capture} in {dtype.value}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
+    if b.get("streaming"):
+        st = b.get("streaming")
+        msg += (
+            f"\n  streamed within {st['max_memory'] / 2**30:.2f} GiB: peak RSS {st['peak_rss'] / 2**30:.2f} GiB, "
+            f"activations spilled {st.get('activations_spilled', 0) / 2**30:.2f} GiB" + (" (resumed)" if st["resumed"] else "")
+        )
     cert = b.get("certificate")
     if cert:
         msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
@@ -175,120 +220,111 @@ def replay(
 @app.command()
 @user_errors
 def score(
-    oracle: Path = typer.Argument(..., help="Oracle bundle (from `oracle replay --dtype fp64`)."),
-    captures: list[Path] | None = typer.Argument(None, help="Capture bundles to score."),
-    band: list[Path] = typer.Option([], "--band", help="Emulation bundle(s) giving the noise band."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the full result as JSON."),
-    report: Path | None = typer.Option(None, "--report", help="Write PNG, CSV, JSON and an HTML page here."),
-    margin: float = typer.Option(3.0, help="Excess over the band above which a layer is beyond noise."),
-    tol: list[str] = typer.Option([], "--tol", help="Override the tolerance table: PRECISION:expected=VALUE."),
-    name: list[str] = typer.Option([], "--name", help="Display names for the captures, in order."),
-    top: int = typer.Option(8, help="Worst parameters shown per capture."),
-    pattern: str | None = typer.Option(None, help="Logs: regex with (?P<name>..) and (?P<value>..) groups."),
-    occurrence: int | None = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
-    step: str | None = typer.Option(None, help="Logs: keep lines whose (?P<step>..) group equals this."),
-    rank: str | None = typer.Option(None, help="Logs: keep lines whose (?P<rank>..) group equals this."),
-) -> None:
-    """Score captures against the oracle, per parameter and per layer, with a verdict.
-
-    Given two gradient-norm log files instead (no oracle), compare them side by side.
-    """
-    from oracle.errors import RecipeError
-
-    captures = captures or []
-    if oracle.is_file():
-        return _score_logs([oracle, *captures], name, json_out, pattern, occurrence, step, rank)
+    oracle: Annotated[Path, typer.Argument(help="Oracle bundle (from `oracle replay --dtype fp64`), or a local replay (from `oracle replay --local`).")],
+    captures: Annotated[list[Path] | None, typer.Argument(help="Capture bundles to score against the oracle.")] = None,
+    band: Annotated[list[Path] | None, typer.Option("--band", help="Emulation bundle(s) giving the noise band.")] = None,
+    json_out: JsonOut = None,
+    report: Report = None,
+    margin: Margin = 3.0,
+    tol: Tol = None,
+    name: Names = None,
+    top: Annotated[int, typer.Option(min=0, help="Worst parameters shown per capture.")] = 8,
+) -> None:  # fmt: skip
+    """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
     from oracle.bundle import Bundle
-
-    first = Bundle(oracle)
-    if first.kind == "local":
-        return _score_local(first, margin, json_out)
-    if not captures:
-        raise RecipeError("give at least one capture to score against the oracle")
-    from oracle.render import render
-    from oracle.report import _clean, write_json, write_report
-    from oracle.score import score as do_score
+    from oracle.jsonio import write_json
+    from oracle.report import write_report
     from oracle.tolerance import parse_overrides
 
-    if name and len(name) != len(captures):
-        raise RecipeError(f"--name given {len(name)} times for {len(captures)} captures")
-    overrides = parse_overrides(tol)
-    result = do_score(oracle, captures, band_paths=band, margin=margin, tol_overrides=overrides, names=name or None)
-    typer.echo(render(result, top=top))
+    overrides = parse_overrides(tol or [])
+    first = Bundle(oracle)
+    if first.kind == "local":
+        if captures:
+            raise UsageError("a local replay is scored alone: give no captures")
+        from oracle.local import render_local, score_local
+
+        result = score_local(first, margin=margin, tol_overrides=overrides)
+        typer.echo(render_local(result))
+    else:
+        if not captures:
+            raise UsageError("give at least one capture to score against the oracle")
+        if name and len(name) != len(captures):
+            raise UsageError(f"--name given {len(name)} times for {len(captures)} captures")
+        from oracle.render import render
+        from oracle.score import score as do_score
+
+        result = do_score(oracle, captures, band_paths=band or [], margin=margin, tol_overrides=overrides, names=name or None)
+        typer.echo(render(result, top=top))
     if json_out:
-        write_json(_clean(result), json_out)
+        write_json(result, json_out)
         typer.echo(f"json: {json_out}")
     if report:
         typer.echo(f"report: {write_report(result, report)}")
 
 
-def _score_local(bundle, margin, json_out) -> None:
-    import json
-
-    from oracle.local import render_local, score_local
-
-    res = score_local(bundle, margin=margin)
-    typer.echo(render_local(res))
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=1, default=str))
-        typer.echo(f"json: {json_out}")
-
-
-def _score_logs(paths, names, json_out, pattern, occurrence, step, rank) -> None:
-    import json
-
+@app.command("compare-logs")
+@user_errors
+def compare_logs(
+    logs: Annotated[list[Path], typer.Argument(help="Two gradient-norm log files.")],
+    name: Names = None,
+    json_out: JsonOut = None,
+    pattern: Pattern = None,
+    occurrence: Occurrence = None,
+    step: LogStep = None,
+    rank: LogRank = None,
+) -> None:
+    """Compare two gradient-norm logs side by side, without an oracle (what can and cannot be concluded)."""
     from oracle import normlog
-    from oracle.errors import LogParseError
+    from oracle.jsonio import write_json
 
-    if len(paths) != 2:
-        raise LogParseError(f"comparing norm logs takes exactly two files, got {len(paths)}")
-    labels = tuple(names) if names else tuple(p.stem for p in paths)
+    if len(logs) != 2:
+        raise UsageError(f"compare-logs takes exactly two log files, got {len(logs)}")
+    labels = tuple(name) if name else tuple(p.stem for p in logs)
     if len(labels) != 2 or labels[0] == labels[1]:
-        raise LogParseError("give two distinct --name values for the two logs")
-    logs = [normlog.parse(p, pattern=pattern, occurrence=occurrence, step=step, rank=rank) for p in paths]
-    result = normlog.compare(logs[0], logs[1], labels)
+        raise UsageError("give two distinct --name values for the two logs")
+    parsed = [normlog.parse(p, pattern=pattern, occurrence=occurrence, step=step, rank=rank) for p in logs]
+    result = normlog.compare(parsed[0], parsed[1], labels)
     typer.echo(normlog.render_compare(result))
     if json_out:
-        json_out.write_text(json.dumps(result, indent=1))
+        write_json(result, json_out)
         typer.echo(f"json: {json_out}")
 
 
 @app.command("import-log")
 @user_errors
 def import_log(
-    log: Path = typer.Argument(..., help="Gradient-norm log."),
-    out: Path = typer.Option(..., "--out", help="Norm-only bundle to write."),
-    precision: str = typer.Option("unknown", help="Precision the logged run used (selects the tolerance)."),
-    pattern: str | None = typer.Option(None, help="Regex with (?P<name>..) and (?P<value>..) groups."),
-    occurrence: int | None = typer.Option(None, help="Take the K-th print of each name (0-based)."),
-    step: str | None = typer.Option(None, help="Keep lines whose (?P<step>..) group equals this."),
-    rank: str | None = typer.Option(None, help="Keep lines whose (?P<rank>..) group equals this."),
-    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-) -> None:
+    log: Annotated[Path, typer.Argument(help="Gradient-norm log.")],
+    out: Out,
+    precision: Annotated[RunPrecision, typer.Option(help="Precision the logged run used (selects the tolerance).")] = RunPrecision.unknown,
+    pattern: Pattern = None,
+    occurrence: Occurrence = None,
+    step: LogStep = None,
+    rank: LogRank = None,
+    overwrite: Overwrite = False,
+) -> None:  # fmt: skip
     """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts."""
     from oracle import normlog
 
     parsed = normlog.parse(log, pattern=pattern, occurrence=occurrence, step=step, rank=rank)
-    normlog.write_norm_bundle(parsed, out, precision=precision, overwrite=overwrite)
+    normlog.write_norm_bundle(parsed, out, precision=precision.value, overwrite=overwrite)
     typer.echo(f"imported {len(parsed.norms)} gradient norms from {log} -> {out}")
 
 
 @app.command()
 @user_errors
 def merge(
-    ranks: list[Path] = typer.Argument(..., help="Rank bundles written by oracle.megatron.capture_rank, or folders of them."),
-    out: Path = typer.Option(..., "--out", help="Merged capture bundle to write."),
-    recipe: str = typer.Option(..., help="Recipe whose HF names to map to (qwen3, qwen3-vl)."),
-    hf_config: Path = typer.Option(..., help="The model's Hugging Face config.json."),
-    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-) -> None:
+    ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.megatron.capture_rank, or folders of them.")],
+    out: Out,
+    recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
+    hf_config: Annotated[Path, typer.Option(help="The model's Hugging Face config.json.")],
+    overwrite: Overwrite = False,
+) -> None:  # fmt: skip
     """Merge per-rank Megatron / MindSpeed captures (TP shards, partial sums) into one capture."""
+    from oracle.bundle import Bundle
     from oracle.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
 
     merge_ranks(ranks, out, recipe=recipe, hf_config=load_hf_config(hf_config), overwrite=overwrite)
-    from oracle.bundle import Bundle
-
     b = Bundle(out)
     meg = b.get("megatron")
     typer.echo(f"merged {len(meg['merged_from'])} TP rank(s) ({meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")
@@ -299,39 +335,26 @@ def merge(
 @app.command("rank-view")
 @user_errors
 def rank_view_cmd(
-    oracle: Path = typer.Argument(..., help="Oracle of a merged Megatron capture."),
-    tp: int = typer.Option(..., help="Tensor-parallel size of the run to view."),
-    rank: int = typer.Option(0, help="TP rank."),
-    sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallel on."),
-    stage: str = typer.Option("pre-finalize", help="pre-finalize or post-finalize."),
-    per_token_loss: bool = typer.Option(
-        True,
-        "--per-token-loss/--no-per-token-loss",
-        help="calculate_per_token_loss (ms-swift's default): pre-finalize grads are of the loss SUM.",
-    ),
-    seq_len_padded: int | None = typer.Option(None, help="Padded sequence length the run used (default: next multiple of TP)."),
-    compare: list[Path] = typer.Option([], "--compare", help="Rank bundles of that rank to compare with the view."),
-    logs: list[Path] = typer.Option([], "--log", help="Gradient-norm logs printed on that rank: which is closer to the truth."),
-    name: list[str] = typer.Option([], "--name", help="Display names for the logs."),
-    occurrence: int | None = typer.Option(None, help="Logs: take the K-th print of each name (0-based)."),
-) -> None:
+    oracle: Annotated[Path, typer.Argument(help="Oracle of a merged Megatron capture.")],
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the run to view.")],
+    rank: Annotated[int, typer.Option(min=0, help="TP rank.")] = 0,
+    sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallel on.")] = False,
+    stage: Annotated[Stage, typer.Option(help="When the gradients were taken.")] = Stage.pre_finalize,
+    per_token_loss: Annotated[bool, typer.Option("--per-token-loss/--no-per-token-loss", help="calculate_per_token_loss (ms-swift's default): pre-finalize grads are of the loss SUM.")] = True,
+    seq_len_padded: Annotated[int | None, typer.Option(help="Padded sequence length the run used (default: next multiple of TP).")] = None,
+    compare: Annotated[list[Path] | None, typer.Option("--compare", help="Rank bundles of that rank to compare with the view.")] = None,
+    logs: Annotated[list[Path] | None, typer.Option("--log", help="Gradient-norm logs printed on that rank: which is closer to the truth.")] = None,
+    name: Names = None,
+    occurrence: Occurrence = None,
+) -> None:  # fmt: skip
     """What one Megatron rank should have held, from the oracle; compared with rank captures or norm logs."""
-    from oracle.errors import RecipeError
-    from oracle.megatron.rankview import compare_logs, compare_rank, rank_view
+    from oracle.megatron.rankview import compare_logs as compare_view_logs
+    from oracle.megatron.rankview import compare_rank, rank_view
 
-    if stage not in ("pre-finalize", "post-finalize"):
-        raise RecipeError("--stage must be pre-finalize or post-finalize")
-    view = rank_view(
-        oracle,
-        tp_size=tp,
-        rank=rank,
-        sequence_parallel=sp,
-        stage=stage,
-        calculate_per_token_loss=per_token_loss,
-        seq_len_padded=seq_len_padded,
-    )
-    typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage}: {len(view)} gradients")
-    for b in compare:
+    view = rank_view(oracle, tp_size=tp, rank=rank, sequence_parallel=sp, stage=stage.value,
+                     calculate_per_token_loss=per_token_loss, seq_len_padded=seq_len_padded)  # fmt: skip
+    typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage.value}: {len(view)} gradients")
+    for b in compare or []:
         errs = compare_rank(view, b)
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
@@ -340,30 +363,28 @@ def rank_view_cmd(
 
         parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
         labels = name or [p.stem for p in logs]
-        typer.echo(compare_logs(view, parsed, labels))
+        typer.echo(compare_view_logs(view, parsed, labels))
 
 
 @app.command("import-msprobe")
 @user_errors
 def import_msprobe(
-    dump: Path = typer.Argument(..., help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0)."),
-    out: Path = typer.Option(..., "--out", help="Capture (or norm-only) bundle to write."),
-    step: int | None = typer.Option(None, help="Which step{N} of the dump."),
-    rank: int | None = typer.Option(None, help="Which rank{N} of the dump."),
-    precision: str = typer.Option("unknown", help="Precision the dumped run used."),
-    megatron_tp: int | None = typer.Option(
-        None, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`."
-    ),
-    sp: bool = typer.Option(False, "--sp/--no-sp", help="Megatron: sequence parallel was on."),
-    stage: str = typer.Option("pre-finalize", help="Megatron: when the gradients were dumped."),
-    overwrite: bool = typer.Option(False, help="Replace an existing bundle at --out."),
-) -> None:
+    dump: Annotated[Path, typer.Argument(help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0).")],
+    out: Out,
+    step: Annotated[int | None, typer.Option(help="Which step{N} of the dump.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Which rank{N} of the dump.")] = None,
+    precision: Annotated[RunPrecision, typer.Option(help="Precision the dumped run used.")] = RunPrecision.unknown,
+    megatron_tp: Annotated[int | None, typer.Option(min=1, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`.")] = None,
+    sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Megatron: sequence parallel was on.")] = False,
+    stage: Annotated[Stage, typer.Option(help="Megatron: when the gradients were dumped.")] = Stage.pre_finalize,
+    overwrite: Overwrite = False,
+) -> None:  # fmt: skip
     """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics)."""
     from oracle.bundle import Bundle
     from oracle.msprobe import import_dump
 
-    import_dump(dump, out, step=step, rank=rank, precision=precision, megatron_tp=megatron_tp,
-                megatron_rank=rank, sequence_parallel=sp, stage=stage, overwrite=overwrite)  # fmt: skip
+    import_dump(dump, out, step=step, rank=rank, precision=precision.value, megatron_tp=megatron_tp,
+                megatron_rank=rank, sequence_parallel=sp, stage=stage.value, overwrite=overwrite)  # fmt: skip
     b = Bundle(out)
     what = f"{len(b.names('grads'))} gradient tensors" if b.kind == "capture" else f"{len(b.get('norms'))} gradient norms"
     typer.echo(f"imported {what} from {dump} -> {out}")
@@ -372,16 +393,13 @@ def import_msprobe(
 @app.command()
 @user_errors
 def demo(
-    dir: Path = typer.Option(Path("oracle-demo"), "--dir", help="Where the demo's bundles and report go."),
-    ensemble: int = typer.Option(4, help="Members of the emulated noise band."),
+    dir: Annotated[Path, typer.Option("--dir", help="Where the demo's bundles and report go.")] = Path("oracle-demo"),
+    ensemble: Annotated[int, typer.Option(min=1, help="Members of the emulated noise band.")] = 4,
 ) -> None:
     """The main job on the embedded tiny Qwen3-VL: capture amp-bf16 and fp32, replay fp64, score."""
     from oracle.demo import run_demo
 
     typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
-
-
-from typing import Annotated  # noqa: E402  (the explain command below is written in typer's Annotated style)
 
 
 @app.command()
@@ -392,18 +410,19 @@ def explain(
     fmt: Annotated[
         str | None, typer.Option("--as", help="Format the op classes run in (fp32, bf16, fp16); default: the capture's.")
     ] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON.")] = None,
-    report: Annotated[Path | None, typer.Option("--report", help="Write explain.json and an HTML page here.")] = None,
+    json_out: JsonOut = None,
+    report: Annotated[Path | None, typer.Option(help="Write explain.json and an HTML page here.")] = None,
 ) -> None:
     """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
     from oracle.explain import explain as do_explain
+    from oracle.jsonio import write_json
     from oracle.render import render_explain
-    from oracle.report import _clean, write_explain_report, write_json
+    from oracle.report import write_explain_report
 
     res = do_explain(capture, module, fmt=fmt)
     typer.echo(render_explain(res))
     if json_out:
-        write_json(_clean(res), json_out)
+        write_json(res, json_out)
         typer.echo(f"json: {json_out}")
     if report:
         typer.echo(f"report: {write_explain_report(res, report)}")

@@ -2,11 +2,33 @@
 
 Capture one training step on a device, replay it in float64 on CPU, score every device's
 gradients against that truth with a measured noise band.
+
+The public names below are imported on first use (PEP 562), so that ``import oracle.errors``
+(the CLI's start-up) does not import torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .bundle import Bundle, BundleWriter  # noqa: E402
-from .capture import Capture  # noqa: E402
-
+_LAZY = {"Bundle": ".bundle", "BundleWriter": ".bundle", "Capture": ".capture"}
 __all__ = ["Bundle", "BundleWriter", "Capture", "__version__"]
+
+if TYPE_CHECKING:
+    from .bundle import Bundle, BundleWriter
+    from .capture import Capture
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -17,7 +17,8 @@ With ``modules=[names]`` each named module's boundary tensors are recorded too (
 On a clean exit the bundle holds the inputs (first forward call only), every parameter's value
 as held by the model, every parameter's gradient (``main_grad`` where it exists, else ``.grad``)
 in its own dtype, and the loss. Hooks are removed in every case; nothing is written if the block
-raises. Tensors are copied to CPU one at a time while writing, never all at once.
+raises. Tensors are written in shards (BundleWriter.add_stream): at most one shard is held on the
+CPU beyond the model itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from torch import nn
 from .bundle import BundleWriter
 from .modules import ModuleRecorder
 from .precision import capture_policy
+
+SHARD_BYTES = 1 << 30  #: a capture's weights and grads are written in files of about this size
 
 
 def versions() -> dict[str, str]:
@@ -145,8 +148,27 @@ class Capture:
             return
         self.write()
 
+    def _record_packing(self) -> dict[str, Any] | None:
+        """Per-sample boundaries of a packed step, from ``cu_seqlens`` (or flash-attention's
+        ``cu_seq_lens_q``) when the model received them, else from restarting text positions."""
+        from .packing import cu_seqlens, lengths_from_positions
+
+        cu = self.inputs.get("cu_seqlens", self.inputs.get("cu_seq_lens_q"))
+        if cu is None and "position_ids" in self.inputs:
+            pos = self.inputs["position_ids"]
+            text = pos[0] if pos.ndim == 3 and pos.shape[0] == 4 else (pos if pos.ndim <= 2 else None)
+            lengths = (
+                lengths_from_positions(text[0] if text is not None and text.ndim == 2 else text) if text is not None else None
+            )
+            cu = cu_seqlens(lengths) if lengths else None
+        if cu is None:
+            return None
+        self.inputs["cu_seqlens"] = cu.to(torch.int64).reshape(-1)  # part of the step's fingerprint
+        return {"cu_seqlens": self.inputs["cu_seqlens"].tolist()}
+
     def write(self) -> None:
         params = dict(self.model.named_parameters())
+        packing = self._record_packing()
         device = self._device or next(iter(params.values())).device
         no_grad = [n for n, p in params.items() if gradient_of(p) is None]
         with BundleWriter(self.out, "capture", overwrite=self.overwrite) as w:
@@ -159,11 +181,14 @@ class Capture:
                 loss=self.loss,
                 static_inputs=self.static_inputs,
                 no_grad=no_grad,
+                packing=packing,
                 metadata=self.metadata,
             )
             w.add("inputs", self.inputs)
-            w.add("weights", {n: p.detach() for n, p in params.items()})
-            w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
+            # one tensor at a time to the CPU, in shards of at most SHARD_BYTES: never a full copy of the model
+            w.add_stream("weights", ((n, p.detach().cpu()) for n, p in params.items()), max_bytes=SHARD_BYTES)
+            w.add_stream("grads", ((n, gradient_of(p).cpu()) for n, p in params.items() if gradient_of(p) is not None),
+                         max_bytes=SHARD_BYTES)  # fmt: skip
             if self.recorder is not None:
                 w.manifest["modules"] = self.recorder.manifest()
                 w.manifest["modules_over_budget"] = self.recorder.over_budget

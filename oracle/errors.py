@@ -7,6 +7,8 @@ The CLI maps each class to the exit code below; README.md documents the same tab
 
 from __future__ import annotations
 
+import errno
+
 
 class OracleError(Exception):
     """Base class: a user-facing problem with a message that names the object and the fix."""
@@ -53,6 +55,12 @@ class LogParseError(OracleError):
     exit_code = 8
 
 
+class OutputError(OracleError):
+    """An output that cannot be written: permission, disk full, read-only file system."""
+
+    exit_code = 9
+
+
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
     1: "internal error (a bug: please report it with the last frames printed)",
@@ -63,4 +71,16 @@ EXIT_CODES = {
     OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it)",
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
+    OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
 }
+
+
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG}
+
+
+def from_os_error(e: OSError) -> OracleError:
+    """An OSError that reached the CLI as the user-facing error it is: a full or read-only disk is an
+    output problem (9); anything else (missing, not permitted, not a directory) a path problem (3)."""
+    where = f"{e.filename}: " if e.filename else ""
+    cls = OutputError if e.errno in _OUTPUT_ERRNOS else InputNotFound
+    return cls(f"{where}{e.strerror or e}")

@@ -37,13 +37,14 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 from tqdm import tqdm
 
-from .bundle import Bundle, BundleWriter
+from .bundle import Bundle, BundleWriter, check_output
 from .errors import BundleError, RecipeError
 from .metrics import rel_l2
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
 from .precision import CAPTURE_NAMES, emulation
 from .replay import _recipe_of, run_step
+from .shapes import stored_shapes
 from .steps import build_model
 
 LOSS = "loss"
@@ -70,7 +71,12 @@ class _Worker:
             compute = emulation(dtype)[0]
             cfg = self.cap.manifest["recipe"]["config"]
             self.models[dtype] = build_model(
-                self.recipe, cfg, lambda n: self.cap.load("weights", n), compute, mode=PrecisionMode(compute)
+                self.recipe,
+                cfg,
+                lambda n: self.cap.load("weights", n),
+                compute,
+                mode=PrecisionMode(compute),
+                shapes=stored_shapes(self.cap),
             )
         return self.models[dtype]
 
@@ -222,6 +228,7 @@ def replay_local(
     overwrite: bool = False, progress: bool = False,
 ) -> Path:  # fmt: skip
     cap = Bundle(capture)
+    check_output(out, overwrite)
     recorded = cap.get("modules") or {}
     if not recorded:
         raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all)")

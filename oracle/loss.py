@@ -11,6 +11,10 @@ finalize divides by the token count); ``mean``: that sum divided by the number o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +50,43 @@ def masked_token_loss(
     if reduction == "mean":
         loss = loss / max(n_tokens, 1)
     return loss, n_tokens
+
+
+# -- the head and the loss together -----------------------------------------------------------
+# Recipes compute the loss from the last hidden state through ``lm_head_loss``. On a device (a
+# capture) and by default it is ``head(hidden)`` then the loss above: the full (B, T, V) logits,
+# exactly what the model's own forward computes. A replay sets ``chunked_head()``: the head and
+# the loss are then computed by vocabulary chunks (oracle/headloss.py; the T x V logits never
+# exist), from the head's weight as ``prepare(head)`` returns it (the streaming replay
+# materialises it there).
+_CHUNKED: contextvars.ContextVar = contextvars.ContextVar("oracle_chunked_head", default=None)
+
+
+@contextlib.contextmanager
+def chunked_head(prepare: Callable[[torch.nn.Module], torch.Tensor] = lambda head: head.weight):
+    token = _CHUNKED.set(prepare)
+    try:
+        yield
+    finally:
+        _CHUNKED.reset(token)
+
+
+def lm_head_loss(
+    head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, reduction: str, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
+    """The loss of ``head(hidden)``: ``causal_lm_loss`` (labels unshifted), or with ``loss_mask``
+    Megatron's ``masked_token_loss`` (labels aligned with positions)."""
+    prepare = _CHUNKED.get()
+    if prepare is None:
+        logits = head(hidden)  # (B, T, V)
+        if loss_mask is not None:
+            return masked_token_loss(logits, labels, loss_mask, reduction)
+        return causal_lm_loss(logits, labels, reduction)
+    from .headloss import causal_lm_head_loss, masked_token_head_loss
+
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the chunked head takes a bias-free linear head")  # every recipe's head is bias-free
+    weight = prepare(head)
+    if loss_mask is not None:
+        return masked_token_head_loss(hidden, weight, labels, loss_mask, reduction)
+    return causal_lm_head_loss(hidden, weight, labels, reduction)

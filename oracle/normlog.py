@@ -131,13 +131,14 @@ def compare(a: NormLog, b: NormLog, names: tuple[str, str] = ("A", "B")) -> dict
     common = [n for n in a.order if n in b.norms]
     only_a = [n for n in a.order if n not in b.norms]
     only_b = [n for n in b.order if n not in a.norms]
-    ordered = sorted(common, key=lambda n: (layer_of(n)[0], common.index(n)))
+    layer = {n: layer_of(n) for n in common}  # once per name: the sort and the rows below reuse it
+    ordered = [n for _, _, n in sorted((layer[n][0], i, n) for i, n in enumerate(common))]  # O(n log n)
     params = []
     for n in ordered:
         na, nb = a.norms[n], b.norms[n]
         ratio = nb / na if na else math.inf
         kind, partial = kind_of(n)
-        params.append({"name": n, "layer": layer_of(n)[1], "kind": kind, "partial_sum": partial,
+        params.append({"name": n, "layer": layer[n][1], "kind": kind, "partial_sum": partial,
                        names[0]: na, names[1]: nb, "ratio": ratio})  # fmt: skip
     layers: dict[str, dict[str, float]] = {}
     for r in params:

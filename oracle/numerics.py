@@ -303,7 +303,29 @@ class PrecisionMode(TorchDispatchMode):
         return self.ops == "all" or func in AMP_OPS
 
     # -- dispatch ---------------------------------------------------------------------------
+    def _oracle_dispatch(self, func, args, kwargs):
+        """The oracle's path, kept short (it runs for every op of the replay, forward and backward):
+        a lower dtype asked for is replaced by the compute dtype; a lower floating result (an op fed
+        only by a tensor made outside the mode, e.g. a float32 constant) is promoted. Inputs are
+        not scanned: inside the mode every floating tensor is produced in the compute dtype, and a
+        float32 operand meeting a float64 one is widened exactly by type promotion."""
+        dt = kwargs.get("dtype")
+        if dt is not None and self._lower(dt):
+            kwargs = {**kwargs, "dtype": self.compute}
+            self.promotions += 1
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            if out.is_floating_point() and out.dtype != self.compute and not func._schema.is_mutable and not func.is_view:
+                self.promotions += 1
+                return out.to(self.compute)
+            return out
+        if func.is_view or func._schema.is_mutable:
+            return out
+        return tree_map(self._promote, out)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.round_to is None:
+            return self._oracle_dispatch(func, args, kwargs or {})
         kwargs = dict(kwargs or {})
         explicit_low = False
         if self._lower(kwargs.get("dtype")):

@@ -55,6 +55,10 @@ class Recipe:
         """The sample -> every tensor the step uses (model inputs and loss inputs such as labels)."""
         raise NotImplementedError
 
+    def pack_inputs(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Several samples' inputs (from ``prepare_inputs``) as one packed sequence (oracle/packing.py)."""
+        raise RecipeError(f"recipe {self.name!r} cannot pack samples")
+
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         """Run the forward and the loss; return (loss, number of loss tokens)."""
         raise NotImplementedError
@@ -66,6 +70,11 @@ class Recipe:
     def boundaries(self) -> dict[str, str]:
         """Named module selections for boundary capture: preset name -> regex over module names."""
         return {}
+
+    def stream_units(self) -> str | None:
+        """Regex over module names: the units the streaming replay materialises one at a time
+        (decoder layers, ViT blocks, mergers, embeddings). The head is streamed by the engine."""
+        return None
 
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         """``((major, minor), label)`` of the layer ``name`` belongs to; sorting by the tuple walks

@@ -26,13 +26,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import attention
 from . import precision as precisions
 from . import recipe as recipes
-from .bundle import Bundle, BundleWriter
+from .bundle import Bundle, BundleWriter, check_output
 from .capture import versions
 from .certify import finite_difference_certificate
 from .errors import BundleError, RecipeError, UsageError
+from .loss import chunked_head
 from .numerics import PrecisionMode
+from .shapes import stored_shapes
 from .steps import build_model
 
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
@@ -57,16 +60,17 @@ def run_step(
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
-    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode)
+    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
+    attention.use(model)  # exact chunked attention (oracle/attention.py), as the streaming replay runs
     if instrument is not None:
         instrument(model)
     torch.manual_seed(0)
     order: list[str] = []  # the order gradients are completed in: the true backward order
     hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
     try:
-        with mode:
+        with mode, chunked_head():
             loss, _ = recipe.forward_loss(model, inputs, reduction)
             if round_to is None:
                 assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
@@ -89,11 +93,15 @@ def replay(
     directions: int = 3,
     overwrite: bool = False,
     progress: bool = False,
+    max_memory: int | None = None,
+    activation_budget: int | None = None,
 ) -> Path:
+    """Replay ``capture`` into ``out``; with ``max_memory`` (bytes) through the streaming engine."""
     precisions.get(dtype)
     if ensemble < 1:
         raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
+    check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
     t0 = time.perf_counter()
@@ -108,9 +116,16 @@ def replay(
     }
     if cap.get("megatron"):
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
+    if dtype == "fp64" and ensemble != 1:
+        raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+    if max_memory is not None:
+        if verify == "on":
+            raise UsageError("--verify needs the whole model in memory; the streaming replay (--max-memory) has no certificate")
+        from .streamed import replay_streamed
+
+        return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
+                               progress=progress, base=base, t0=t0, activation_budget=activation_budget)  # fmt: skip
     if dtype == "fp64":
-        if ensemble != 1:
-            raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
         model, inputs, loss, mode = run_step(cap, dtype)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         n_params = sum(p.numel() for p in model.parameters())
@@ -135,8 +150,7 @@ def replay(
                 seconds=round(time.perf_counter() - t0, 3),
             )
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
-            w.add("inputs", cap.load_group("inputs"))
-            w.add("weights", cap.load_group("weights"))
+            carry_inputs_and_weights(cap, w)
             w.add("grads", grads)
         return Path(out)
 
@@ -161,3 +175,14 @@ def replay(
             seconds=round(time.perf_counter() - t0, 3),
         )
     return Path(out)
+
+
+def carry_inputs_and_weights(cap: Bundle, w: BundleWriter) -> None:
+    """The capture's inputs and weights into the oracle file by file (hard links where the file
+    system allows), never loaded: the oracle is readable wherever a capture is expected."""
+    for group in ("inputs", "weights"):
+        by_file: dict[str, dict] = {}
+        for name, e in cap.manifest["tensors"].get(group, {}).items():
+            by_file.setdefault(e["file"], {})[name] = {k: v for k, v in e.items() if k != "file"}
+        for fname, entries in by_file.items():
+            w.adopt(group, cap.path / fname, entries)

@@ -11,35 +11,13 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import json
-import math
 from pathlib import Path
 from typing import Any
 
+from .jsonio import write_json
+
 CSV_FIELDS = ["capture", "precision", "name", "layer", "rel_l2", "cosine", "norm_ratio", "max_abs",
               "frac_rel_gt_1e-3", "nonfinite", "band", "excess", "class"]  # fmt: skip
-
-
-def write_json(result: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=1, default=_json_default))
-
-
-def _json_default(x):
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
-
-
-def _finite(x):
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
-def _clean(obj):
-    if isinstance(obj, float):
-        return _finite(obj)
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -80,7 +58,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(_clean(result), out / "score.json")
+    write_json(result, out / "score.json")
     with open(out / "params.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -120,6 +98,11 @@ LOCAL_CSV_FIELDS = ["module", "calls", "order", "fwd", "expected_fwd", "ratio_fw
                     "param", "expected_param", "ratio_param", "inherited", "ratio", "class", "direction", "born_nonfinite"]  # fmt: skip
 
 
+def _sortable(x: Any) -> float:
+    """A ratio as a sort key: inf (a non-finite birth) sorts first, NaN/None last."""
+    return x if isinstance(x, (int, float)) and x == x else 0.0
+
+
 def explain_section(res: dict[str, Any]) -> str:
     """The HTML section of one op-level attribution (explain.py)."""
     e = html.escape
@@ -140,7 +123,7 @@ def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(_clean(res), out / "score.json")
+    write_json(res, out / "score.json")
     with open(out / "modules.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=LOCAL_CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -149,7 +132,7 @@ def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list
     e = html.escape
     num = lambda x, s=".3e": "-" if not isinstance(x, (int, float)) else format(x, s)  # noqa: E731
     rank = {m: i for i, m in enumerate(res["culprits"])}
-    rows = sorted(res["modules"], key=lambda r: (rank.get(r["module"], len(rank)), -(_finite(r["ratio"]) or 0.0)))
+    rows = sorted(res["modules"], key=lambda r: (rank.get(r["module"], len(rank)), -_sortable(r["ratio"])))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>oracle local score</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px}"
@@ -178,7 +161,7 @@ def write_explain_report(res: dict[str, Any], out_dir: str | Path) -> Path:
     """``oracle explain ... --report DIR``: ``explain.json`` and ``index.html``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(_clean(res), out / "explain.json")
+    write_json(res, out / "explain.json")
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>oracle explain</title><style>body{font-family:sans-serif;"
             "margin:2em}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
             f"</head><body><h1>oracle: op-level attribution</h1>{explain_section(res)}</body></html>")  # fmt: skip

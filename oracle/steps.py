@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bundle import check_output
 from .capture import Capture
 from .errors import RecipeError
 from .modules import ModuleRecorder, select
 from .numerics import PrecisionMode
 from .precision import capture_policy, torch_dtype
 from .recipe import ModelSource, Recipe
+from .shapes import check_shapes
 
 
 @contextlib.contextmanager
@@ -34,12 +36,16 @@ def build_model(
     weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
     dtype: torch.dtype,
     mode: PrecisionMode | None = None,
+    shapes: tuple[Mapping[str, Any], str] | None = None,
 ) -> nn.Module:
     """Build the recipe's module in ``dtype`` and copy ``weights`` in (upcasts are exact).
 
     With a ``mode`` the module is built inside it, so that buffers computed at init (rotary
-    frequencies) are computed in the mode's compute dtype too.
+    frequencies) are computed in the mode's compute dtype too. With ``shapes`` (name -> stored
+    shape, and where they come from) they are checked first on the meta device (shapes.py).
     """
+    if shapes is not None:
+        check_shapes(recipe, config, *shapes)
     with default_dtype(dtype), mode or contextlib.nullcontext():
         model = recipe.build(dict(config))
     model = model.to(dtype)
@@ -47,13 +53,18 @@ def build_model(
     get = weights.__getitem__ if isinstance(weights, Mapping) else weights
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(get(name).to(dtype))
+            w = get(name)
+            if w.shape != p.shape:
+                raise RecipeError(
+                    f"weight {name} has shape {list(w.shape)}, the model built from the config expects {list(p.shape)}"
+                )
+            p.copy_(w.to(dtype))
     return model
 
 
 def capture_recipe_step(
     source: ModelSource,
-    sample: dict[str, Any],
+    sample: dict[str, Any] | list[dict[str, Any]],
     out: str,
     *,
     precision: str = "fp32",
@@ -71,11 +82,18 @@ def capture_recipe_step(
     ``instrument(model)`` runs after the model is built and before the step (tests plant faults
     with it; users can attach their own hooks).
     """
+    check_output(out, overwrite)  # before the step is spent
     torch.manual_seed(seed)
     pol = capture_policy(precision)
     recipe = source.recipe
+    w = source.weights
+    shapes = w.shapes() if hasattr(w, "shapes") else {n: list(t.shape) for n, t in w.items()}
+    check_shapes(recipe, source.config, shapes, source.origin, error=RecipeError, fix="config.json and the checkpoint disagree")
     model = build_model(recipe, source.config, source.weights, torch_dtype(pol.param_dtype))
-    inputs = recipe.prepare_inputs(source, model, sample)
+    if isinstance(sample, list):  # several samples packed into one sequence
+        inputs = recipe.pack_inputs([recipe.prepare_inputs(source, model, smp) for smp in sample])
+    else:
+        inputs = recipe.prepare_inputs(source, model, sample)
     dev = torch.device(device)
     model.to(dev)
     if instrument is not None:

@@ -127,6 +127,8 @@ def bf16_activation(layer: int):
 
     def instrument(model):
         act = model.model.language_model.layers[layer].mlp.act_fn
-        act.register_forward_hook(lambda m, a, out: m(a[0].to(torch.bfloat16)).to(a[0].dtype) if a[0].dtype != torch.bfloat16 else out)
+        act.register_forward_hook(
+            lambda m, a, out: m(a[0].to(torch.bfloat16)).to(a[0].dtype) if a[0].dtype != torch.bfloat16 else out
+        )
 
     return instrument

@@ -42,11 +42,21 @@ def test_capture_replay_score_through_the_cli(tmp_path, band):
         (["replay", "{tmp}/missing", "--out", "{tmp}/o"], 3, "does not exist"),
         (["capture", "--out", "{tmp}/c", "--model", "no-such-model"], 7, "neither an embedded model"),
         (["capture", "--out", "{tmp}/c", "--sample", "{tmp}/none.jsonl"], 3, "sample file"),
-        (["capture", "--out", "{tmp}/c", "--loss-reduction", "avg"], 7, "--loss-reduction"),
+        (["capture", "--out", "{tmp}/c", "--loss-reduction", "avg"], 2, "--loss-reduction"),
+        (["capture", "--out", "{tmp}/c", "--precision", "fp64"], 2, "--precision"),
         (["capture", "--out", "{tmp}/c", "--device", "cuda"], 7, "no CUDA device"),
+        (["replay", "{tmp}/missing", "--out", "{tmp}/o", "--dtype", "fp8"], 2, "--dtype"),
+        (["replay", "{tmp}/missing", "--out", "{tmp}/o", "--ensemble", "0"], 2, "--ensemble"),
+        (["import-log", "{tmp}/l.log", "--out", "{tmp}/o", "--precision", "fp12"], 2, "--precision"),
+        (["compare-logs", "{tmp}/a.log"], 2, "exactly two"),
+        (["score", "{tmp}/missing", "--tol", "bf16:wrong=1"], 2, "--tol"),
     ],
 )
-def test_user_mistakes_get_a_message_and_an_exit_code_not_a_traceback(tmp_path, args, code, message):
+def test_user_mistakes_get_a_message_and_an_exit_code_not_a_traceback(tmp_path, args, code, message, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a host with CUDA
+    (tmp_path / "a.log").write_text("x")
     r = runner.invoke(app, [a.format(tmp=tmp_path) for a in args])
     assert r.exit_code == code, r.output
     assert message in r.output and "Traceback" not in r.output
@@ -78,3 +88,16 @@ def test_damaged_capture_is_refused(tmp_path, fp32_capture, oracle_bundle):
 def test_help_documents_exit_codes():
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0 and "Exit codes" in r.output and "different steps" in r.output
+
+
+def test_readme_exit_code_table_is_the_codes_table():
+    """README's exit-code table lists exactly oracle.errors.EXIT_CODES, in order, with the same words."""
+    import re
+    from pathlib import Path
+
+    from oracle.errors import EXIT_CODES
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|$", section, flags=re.M)
+    assert [(int(c), m) for c, m in rows] == list(EXIT_CODES.items())

@@ -31,7 +31,7 @@ def test_the_reports_logs_match_by_name_despite_their_order():
 
 
 def test_score_reads_the_two_logs_from_the_cli():
-    res = CliRunner().invoke(app, ["score", str(H20), str(NPU), "--name", "H20", "--name", "910B"])
+    res = CliRunner().invoke(app, ["compare-logs", str(H20), str(NPU), "--name", "H20", "--name", "910B"])
     assert res.exit_code == 0, res.output
     assert "word_embeddings.weight" in res.output and "1.4815" in res.output and "summary:" in res.output
 

@@ -41,9 +41,9 @@ def rank_bundles(paths: list[str | Path]) -> list[Bundle]:
         else:
             out.append(Bundle(p))  # raises InputNotFound with the path
     for b in out:
-        if "megatron" not in b.manifest:
+        if "coords" not in (b.manifest.get("megatron") or {}):  # a merged capture has a megatron section, no coords
             raise BundleError(
-                f"{b.path} is not a Megatron rank capture (no 'megatron' section); write it with oracle.megatron.capture_rank"
+                f"{b.path} is not a Megatron rank capture (no 'megatron' section with rank coordinates); write it with oracle.megatron.capture_rank"
             )
     return out
 

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from oracle.errors import RecipeError
-from oracle.loss import causal_lm_loss, masked_token_loss
+from oracle.loss import causal_lm_loss, lm_head_loss, masked_token_loss
+from oracle.packing import pack
 from oracle.recipe import ModelSource, Recipe
+from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
+
+from . import flavors
+
+SAMPLE = Path(__file__).with_name("sample.jsonl")
 
 
 def text_layer_key(name: str, prefix: str) -> tuple[tuple[int, int], str] | None:
@@ -50,7 +57,7 @@ MEGATRON_NAMES = {
 
 class Qwen3Recipe(Recipe):
     name = "qwen3"
-    embedded = ()
+    embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
@@ -65,17 +72,51 @@ class Qwen3Recipe(Recipe):
         return Qwen3ForCausalLM(cfg)
 
     def load(self, spec: str) -> ModelSource:
+        from replays import tiny
+
+        if spec in flavors.FLAVORS:
+            config = json.loads(json.dumps(flavors.FLAVORS[spec]))
+            weights = tiny.tiny_weights(self.build, config)
+            return ModelSource(self, config, weights, origin=f"embedded:{spec}",
+                               extra={"tokenizer": tiny.tiny_tokenizer(), "special_ids": tiny.SPECIAL_IDS})  # fmt: skip
         path = Path(spec)
         config = json.loads((path / "config.json").read_text())
-        return ModelSource(self, config, SafetensorsDir(path), origin=str(path))
+        extra: dict[str, Any] = {}
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise RecipeError(f"{path}: cannot load the tokenizer ({e})") from e
+            extra = {"tokenizer": tok, "special_ids": {t: tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}}
+        return ModelSource(self, config, SafetensorsDir(path), origin=str(path), extra=extra)
 
     def default_sample(self) -> dict[str, Any]:
-        raise RecipeError("the qwen3 recipe has no embedded sample; it replays Megatron captures (oracle merge)")
+        return read_sample(str(SAMPLE))
+
+    def prepare_inputs(self, source: ModelSource, model: nn.Module, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Qwen's chat format, labels on the assistant turns (the same tokenisation as Qwen3-VL's, with
+        no image): input_ids (1, T), labels (1, T), position_ids (1, T)."""
+        from replays.qwen3_vl.inputs import build_inputs
+
+        if "tokenizer" not in source.extra:
+            raise RecipeError(f"{source.origin} has no tokenizer files; a sample cannot be tokenised for it")
+        if sample.get("images"):
+            raise RecipeError("qwen3 is a text model but the sample has images; use a Qwen3-VL model")
+        no_images = SimpleNamespace(merge_size=1)  # never called: the sample has no image
+        out = build_inputs(sample, source.extra["tokenizer"], no_images, model, source.extra["special_ids"])
+        out["position_ids"] = out["position_ids"][0].contiguous()  # text only: the three mRoPE rows are equal
+        return out
+
+    def pack_inputs(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Positions restart per sample (each part's are 0..l-1 already): (1, T) restarting ids."""
+        return pack(parts, seq_keys=("input_ids", "labels", "position_ids"))
 
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         ids = inputs["tokens"] if "tokens" in inputs else inputs["input_ids"]
-        logits = model(input_ids=ids, position_ids=inputs.get("position_ids")).logits  # (B, T, V)
-        return self.loss_from_logits(logits, inputs, reduction)
+        hidden = model.model(input_ids=ids, position_ids=inputs.get("position_ids")).last_hidden_state  # (B, T, H)
+        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction, inputs.get("loss_mask"))
 
     def loss_from_logits(self, logits, inputs, reduction):
         if "loss_mask" in inputs:  # Megatron batch: labels pre-shifted, float mask
@@ -84,6 +125,9 @@ class Qwen3Recipe(Recipe):
 
     def boundaries(self) -> dict[str, str]:
         return {"layers": r"^model\.layers\.\d+$", "head": r"^lm_head$"}
+
+    def stream_units(self) -> str:
+        return r"^model\.(layers\.\d+|embed_tokens)$"
 
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         return text_layer_key(name, "model.")

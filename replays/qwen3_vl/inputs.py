@@ -1,6 +1,7 @@
 """An ms-swift style sample -> the tensors a Qwen3-VL step uses.
 
-Sample format (one JSON object, as one line of an ms-swift ``.jsonl``)::
+Sample format (one JSON object, as one line of an ms-swift ``.jsonl``; content may also be a list
+of OpenAI-style parts, see oracle/samples.py, which is normalised to this form first)::
 
     {"messages": [{"role": "user", "content": "<image>Describe it."},
                   {"role": "assistant", "content": "..."}],
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +24,54 @@ import torch
 
 from oracle.errors import InputNotFound, RecipeError
 from oracle.loss import IGNORE
+from oracle.samples import normalize
+
+MAX_IMAGE_PIXELS = 2**26  # 67 M pixels (8192 x 8192): a decompression-bomb guard, checked before decoding
 
 
 def _open_image(ref: str, base: str):
+    """A sample's image as an RGB PIL image; only its header is read before the size is checked."""
     from PIL import Image
 
     if ref.startswith("data:"):
+        name = "an inline image"
         try:
-            payload = ref.split(",", 1)[1]
-            return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
-        except Exception as e:
-            raise RecipeError(f"cannot decode an inline image ({e}); expected data:image/...;base64,...") from e
-    p = Path(ref) if Path(ref).is_absolute() else Path(base) / ref
-    if not p.is_file():
-        raise InputNotFound(f"image {p} named by the sample does not exist")
-    return Image.open(p).convert("RGB")
+            src = io.BytesIO(base64.b64decode(ref.split(",", 1)[1]))
+        except (IndexError, ValueError) as e:  # binascii.Error is a ValueError
+            raise RecipeError(f"cannot decode an inline image ({e}); expected data:image/...;base64,...") from None
+    else:
+        p = Path(ref) if Path(ref).is_absolute() else Path(base) / ref
+        if not p.is_file():
+            raise InputNotFound(f"image {p} named by the sample does not exist")
+        name, src = f"image {p}", p
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is lower
+            with Image.open(src) as img:  # reads the header only
+                w, h = img.size
+                if w * h > MAX_IMAGE_PIXELS:
+                    raise Image.DecompressionBombError(f"{w} x {h} pixels")
+                return img.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise RecipeError(
+            f"{name} is too large to decode ({e}; the limit is {MAX_IMAGE_PIXELS} pixels, a guard against "
+            "decompression bombs); downscale it"
+        ) from None
+    except PermissionError as e:
+        raise InputNotFound(f"cannot read {name}: {e.strerror}") from None
+    except (OSError, ValueError, SyntaxError) as e:  # UnidentifiedImageError is an OSError
+        raise RecipeError(f"{name} is not an image PIL can decode ({e})") from None
 
 
 def build_inputs(
     sample: dict[str, Any], tokenizer, image_processor, model, special_ids: dict[str, int]
 ) -> dict[str, torch.Tensor]:
-    images = [_open_image(r, sample.get("_base", ".")) for r in sample.get("images", [])]
-    n_tags = sum(str(m.get("content", "")).count("<image>") for m in sample["messages"])
-    if n_tags != len(images):
-        raise RecipeError(f"the sample has {n_tags} <image> tags but {len(images)} images")
-    pixel = image_processor(images=images, return_tensors="pt") if images else {}
+    sample = normalize(sample)  # content lists -> strings with <image> tags; anything else refused
+    images = [_open_image(r, sample.get("_base", ".")) for r in sample["images"]]
+    try:
+        pixel = image_processor(images=images, return_tensors="pt") if images else {}
+    except ValueError as e:  # e.g. an image smaller than one merged patch, or an extreme aspect ratio
+        raise RecipeError(f"the image processor refuses the sample's images ({e})") from None
     grid = pixel.get("image_grid_thw")
     merge = image_processor.merge_size**2
 
@@ -57,9 +82,7 @@ def build_inputs(
     labels: list[int] = []
     img_i = 0
     for msg in sample["messages"]:
-        role, content = msg.get("role"), str(msg.get("content", ""))
-        if role not in ("system", "user", "assistant"):
-            raise RecipeError(f"message role {role!r} is not system, user or assistant")
+        role, content = msg["role"], msg["content"]
         piece = [special_ids["<|im_start|>"]] + text_ids(f"{role}\n")
         ids += piece
         labels += [IGNORE] * len(piece)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from oracle.errors import RecipeError
-from oracle.loss import causal_lm_loss
+from oracle.loss import causal_lm_loss, lm_head_loss
+from oracle.packing import pack
 from oracle.recipe import ModelSource, Recipe
 from oracle.samples import read_sample
 from oracle.weights import SafetensorsDir
@@ -85,10 +86,17 @@ class Qwen3VLRecipe(Recipe):
         x = source.extra
         return build_inputs(sample, x["tokenizer"], x["image_processor"], model, x["special_ids"])
 
+    def pack_inputs(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Positions of 4 rows, as transformers' Qwen3-VL reads them: a text row restarting at 0 per
+        sample (what marks the samples for attention), then each sample's own 3 mRoPE rows."""
+        parts = [dict(p, position_ids=torch.cat([torch.arange(p["input_ids"].shape[-1]).view(1, 1, -1), p["position_ids"]]))
+                 for p in parts]  # fmt: skip
+        return pack(parts, seq_keys=("input_ids", "labels", "position_ids"), row_keys=("pixel_values", "image_grid_thw"))
+
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         model_inputs = {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids") if k in inputs}
-        logits = model(**model_inputs).logits  # (1, T, V)
-        return self.loss_from_logits(logits, inputs, reduction)
+        hidden = model.model(**model_inputs).last_hidden_state  # (1, T, H)
+        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction)
 
     def loss_from_logits(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         return causal_lm_loss(logits, inputs["labels"], reduction)
@@ -107,6 +115,10 @@ class Qwen3VLRecipe(Recipe):
                 r"^model\.(language_model\.embed_tokens|visual\.patch_embed)$", r"^lm_head$",
             ]),
         }  # fmt: skip
+
+    def stream_units(self) -> str:
+        return (r"^model\.language_model\.(layers\.\d+|embed_tokens)$|^model\.visual\.(blocks\.\d+|merger"
+                r"|deepstack_merger_list\.\d+|patch_embed)$")  # fmt: skip
 
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         """Backward order: the language model (lm_head, final norm, layers last to first,

@@ -1,0 +1,94 @@
+"""Module-boundary activations of a streaming replay, kept in memory up to a budget, spilled past it.
+
+The forward stores each unit's inputs (``put``); the backward takes them back in reverse order
+(``take``). A tensor handed to several units (rotary cos/sin go to every decoder layer, the same
+hidden state to a block and to a deepstack merger) is stored once: entries hold references to
+blobs keyed by the tensor's identity. Past ``budget`` bytes the *oldest* blobs go to disk first
+(the backward needs the newest first), one safetensors file each, written with its bytes and read
+back bitwise; nothing is pickled. Files are removed as soon as their blob is no longer referenced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ActivationStore:
+    def __init__(self, budget: int | None, directory: str | Path):
+        self.budget = budget  # None: never spill
+        self.dir = Path(directory)
+        self._blobs: OrderedDict[int, dict] = OrderedDict()  # key -> {tensor|file, refs, nbytes}; insertion = age
+        self._key_of: dict[tuple, int] = {}
+        self._entries: dict[int, list[int]] = {}
+        self._next = 0
+        self.in_memory = 0
+        self.peak_in_memory = 0
+        self.spilled_bytes = 0
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+
+    def put(self, tensors: list[torch.Tensor]) -> int:
+        keys = []
+        for t in tensors:
+            ident = self._identity(t)
+            key = self._key_of.get(ident)
+            if key is None or key not in self._blobs:
+                key = self._next
+                self._next += 1
+                self._key_of[ident] = key
+                self._blobs[key] = {"tensor": t.detach(), "refs": 0, "nbytes": nbytes(t), "ident": ident}
+                self.in_memory += nbytes(t)
+            self._blobs[key]["refs"] += 1
+            keys.append(key)
+        handle = self._next
+        self._next += 1
+        self._entries[handle] = keys
+        self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
+        self._spill()
+        return handle
+
+    def _spill(self) -> None:
+        if self.budget is None:
+            return
+        for key, blob in self._blobs.items():  # oldest first
+            if self.in_memory <= self.budget:
+                break
+            if "tensor" not in blob:
+                continue
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.dir / f"act-{key}.safetensors"
+            t = blob.pop("tensor")
+            save_file({"t": t.contiguous()}, str(path))
+            blob["file"] = path
+            self.in_memory -= blob["nbytes"]
+            self.spilled_bytes += blob["nbytes"]
+            self._key_of.pop(blob["ident"], None)  # a spilled blob is never matched again (its tensor may be freed)
+
+    def take(self, handle: int) -> list[torch.Tensor]:
+        out = []
+        for key in self._entries.pop(handle):
+            blob = self._blobs[key]
+            t = blob.get("tensor")
+            if t is None:
+                t = load_file(str(blob["file"]))["t"]
+            out.append(t)
+            blob["refs"] -= 1
+            if blob["refs"] == 0:
+                self._blobs.pop(key)
+                self._key_of.pop(blob["ident"], None)
+                if "tensor" in blob:
+                    self.in_memory -= blob["nbytes"]
+                else:
+                    os.unlink(blob["file"])
+        return out

@@ -1,0 +1,131 @@
+"""``oracle replay --max-memory SIZE``: the streaming replay driven end to end (engine: stream.py).
+
+The budget is split once, before the step: what the process holds anyway (its resident set after
+the model skeleton and the resident parameters), the largest unit twice (its float64 weights and
+their gradients during its backward), and a working set for one unit's recomputation (12 times the
+largest boundary tensor the unit receives: attention blocks, MLP intermediates); the rest holds
+module-boundary activations in memory, the oldest spilled to disk past it. A budget below the
+fixed part is refused with the size that would do (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import precision as precisions
+from .bundle import Bundle, BundleWriter
+from .errors import RecipeError, UsageError
+from .numerics import PrecisionMode
+from .stream import StreamEngine, largest_unit_bytes, max_rss_bytes, rss_bytes, tame_malloc, work_dir
+
+WORKING_SET_FACTOR = 12  # a unit's recompute holds ~this many copies of its input (q, k, v, MLP x3, grads)
+
+
+def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
+    from . import __version__
+
+    fp = json.dumps(cap.fingerprint(), sort_keys=True)
+    return {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__}
+
+
+def _largest_input_bytes(cap: Bundle, compute: torch.dtype) -> int:
+    """The largest boundary tensor a unit receives, from the inputs alone: tokens (or patches) x the
+    widest hidden size of the config, in the compute dtype."""
+    tokens = 0
+    for name, e in cap.manifest["tensors"].get("inputs", {}).items():
+        if name in ("input_ids", "tokens", "pixel_values"):
+            tokens = max(tokens, int(e["shape"][0]) if name == "pixel_values" else int(torch.tensor(e["shape"]).prod()))
+    cfg = cap.manifest["recipe"]["config"]
+    widths = [v for k, v in _walk(cfg) if k in ("hidden_size", "intermediate_size", "out_hidden_size") and isinstance(v, int)]
+    return tokens * max(widths or [1]) * torch.empty((), dtype=compute).element_size()
+
+
+def _walk(d: Any):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield k, v
+            yield from _walk(v)
+
+
+def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
+                    base: dict[str, Any], t0: float, activation_budget: int | None = None) -> Path:  # fmt: skip
+    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling)."""
+    from .replay import _recipe_of, carry_inputs_and_weights
+
+    tame_malloc()
+    recipe = _recipe_of(cap)
+    if not recipe.stream_units():
+        raise RecipeError(f"recipe {recipe.name!r} declares no streaming units (stream_units); replay it without --max-memory")
+    compute, round_to, ops = precisions.emulation(dtype)
+    reduction = (cap.get("loss") or {}).get("reduction", "mean")
+    work, resumed = work_dir(out, _header(cap, dtype, ensemble))
+    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
+    losses, orders, promotions, stats = [], [], 0, {}
+    for k, member in enumerate(members):
+        done = work / member / "end.json"
+        if done.is_file():  # a finished member of a resumed run
+            rec = json.loads(done.read_text())
+            losses.append(rec["loss"])
+            orders.append(rec["order"])
+            promotions += rec["promotions"]
+            continue
+        mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
+        build_mode = PrecisionMode(compute)
+        engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member, progress=progress)
+        fixed = rss_bytes() + 2 * largest_unit_bytes(engine) + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+        if budget < fixed:
+            raise UsageError(
+                f"--max-memory {budget / 2**30:.2f} GiB is below what one unit needs alongside the process "
+                f"(about {fixed / 2**30:.2f} GiB: resident set, the largest unit's weights and gradients, its "
+                f"recomputation); raise it to at least {fixed / 2**30 * 1.1:.1f}G"
+            )
+        engine.store.budget = budget - fixed if activation_budget is None else activation_budget
+        torch.manual_seed(0)
+        loss = engine.run(inputs, reduction)
+        promotions += mode.promotions + build_mode.promotions
+        stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
+                 "store_budget": engine.store.budget, "fixed_estimate": fixed}  # fmt: skip
+        (work / member / "end.json").write_text(json.dumps({"loss": loss, "order": engine.order, "promotions": promotions}))
+        losses.append(loss)
+        orders.append(engine.order)
+        del engine
+    kind = "oracle" if dtype == "fp64" else "emulation"
+    with BundleWriter(out, kind, overwrite=overwrite) as w:
+        w.manifest.update(base)
+        w.manifest["streaming"] = {"max_memory": budget, "peak_rss": max_rss_bytes(), "resumed": resumed, **stats}
+        if kind == "oracle":
+            w.manifest.update(loss={**(cap.get("loss") or {}), "value": losses[0]}, backward_order=orders[0], certificate=None,
+                              numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
+            del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
+            carry_inputs_and_weights(cap, w)
+        else:
+            w.manifest.update(
+                loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses}, members=ensemble,
+                emulation={"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."),
+                           "ops": ops, "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept"},
+            )  # fmt: skip
+        for member in members:
+            for rec in _journal_units(work / member):
+                src = work / member / rec["file"]
+                dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
+                src.rename(dst)
+                w.adopt(member, dst, rec["entries"], move=True)
+        w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _journal_units(member_dir: Path) -> list[dict]:
+    recs = []
+    for line in (member_dir / "journal.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "unit":
+            recs.append(rec)
+    return recs
