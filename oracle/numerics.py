@@ -38,6 +38,7 @@ way), the spread another accumulation order gives.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from typing import Any
 
@@ -95,6 +96,18 @@ _PASSTHROUGH = {
 
 
 _DTYPE_GET = torch.Tensor.dtype.__get__
+
+
+def _called_by_the_engine() -> bool:
+    """Whether the torch call comes from oracle's own replay kernels (chunked attention, chunked
+    head and loss) rather than from model code: the first caller outside torch is in ``oracle``.
+    Those kernels compute in the compute dtype by design and see tensors as they are."""
+    f = sys._getframe(2)
+    while f is not None and f.f_globals.get("__name__", "").startswith("torch"):
+        f = f.f_back
+    return f is not None and f.f_globals.get("__name__", "").startswith("oracle.")
+
+
 _F = torch.nn.functional
 _RMS_NORMS = (torch.rms_norm, _F.rms_norm)
 # CPU autocast's float32 list at the Python level: composite ops that autocast casts up before they
@@ -132,7 +145,8 @@ class _ApparentDtype(TorchFunctionMode):
     with PrecisionMode, makes the marking visible at the Python level: ``x.dtype`` of a marked
     tensor is the emulated format; ``.float()`` / ``.to(float32)`` / ``.type_as(fp32 tensor)`` of
     one returns an unmarked copy (values exact, as the real upcast); a cast to the emulated format
-    reaches the dispatch mode as one (and is rounded there)."""
+    reaches the dispatch mode as one (and is rounded there). Only model code is shown this view:
+    calls from oracle's own replay kernels pass through untouched (``_called_by_the_engine``)."""
 
     def __init__(self, owner: PrecisionMode):
         super().__init__()
@@ -145,6 +159,8 @@ class _ApparentDtype(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _called_by_the_engine():
+            return func(*args, **kwargs)
         own = self.owner
         if func == _DTYPE_GET and args and own._is_low(args[0]):
             return own.round_to
