@@ -23,6 +23,14 @@ Verdict of a capture: its class (worst over layers), excess (max over layers), w
                  ||c g - t|| / ||t|| falls back within it, the difference is a global scale: loss
                  scaling or normalisation (token count, 1/N) mismatch, not an arithmetic error.
 With several captures, per layer and overall: which one is closer to the truth.
+
+Loss: every capture that recorded its loss is compared with the oracle's replayed loss,
+    loss_rel = |L_captured - L_replayed| / |L_replayed|,  band = margin x expected (the tolerance
+    table's, for the capture's precision)
+and beyond it the verdict says "the replay is not the step that ran" (a dropped padded
+vocabulary, another loss convention, other inputs); it is a finding, not an error.
+Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
+tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_rows``).
 """
 
 from __future__ import annotations
@@ -141,13 +149,14 @@ def score(
     layers = _layers(oracle, pnames)
     layer_of = {p: lab for lab, ps in layers for p in ps}
 
+    padded = _padded_vocab(oracle)
     plans = []
     for c, lab in zip(caps, labels):
         prec = c.get("precision") or "unknown"
         band, band_warning = _pick_band(bands, prec, lab, force_band)
         tolrow = tol.get(prec, tol["unknown"])
         plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow, "band_warning": band_warning,
-                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}})  # fmt: skip
+                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}, "padded": {}})  # fmt: skip
     band_cache: dict[str, list[dict[str, float]]] = {}
 
     # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
@@ -164,7 +173,10 @@ def score(
                 if p in plan["norms"]:
                     plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
             elif c.has("grads", p):
-                plan["rows"][p] = tensor_metrics(c.load("grads", p), t)
+                g = c.load("grads", p)
+                plan["rows"][p] = tensor_metrics(g, t)
+                if p in padded and g.shape == t.shape:
+                    plan["padded"][p] = {"rows": list(padded[p]), **tensor_metrics(g[padded[p][0] :], t[padded[p][0] :])}
             if plan["band"] is not None:
                 plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
         del t
@@ -172,8 +184,11 @@ def score(
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
     oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
-    for c in result_caps:
+    for c, plan in zip(result_caps, plans):
         c["unverified"] = unverified[c["name"]]
+        c["loss_check"] = _loss_check(plan, oracle, margin)
+        if c["loss_check"] and c["loss_check"]["beyond"]:
+            c["verdict"]["text"] += "; " + c["loss_check"]["text"]
     out = {
         "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
@@ -184,6 +199,28 @@ def score(
     }
     out["summary"] = _summary(out)
     return out
+
+
+def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
+    """HF name -> (V, Vp) for the vocabulary tensors of a Megatron capture that knows its true V < Vp."""
+    meg = oracle.get("megatron") or {}
+    v = meg.get("vocab") or {}
+    if not v.get("true") or not v.get("padded") or v["true"] >= v["padded"]:
+        return {}
+    return {n: (v["true"], v["padded"]) for m in (meg.get("mapping") or {}).values() if m.get("kind") == "vocab" for n in m["hf"]}
+
+
+def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | None:
+    """The capture's recorded loss against the oracle's replayed loss (the same reduction)."""
+    captured = (plan["bundle"].get("loss") or {}).get("value")
+    replayed = (oracle.get("loss") or {}).get("value")
+    if captured is None or replayed is None:
+        return None
+    rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
+    band = margin * plan["tol"]["expected"]
+    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative (captured {captured:.8g}, "
+            f"replayed {replayed:.8g}; band {band:.1e})")  # fmt: skip
+    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": rel > band, "text": text}
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:
@@ -229,6 +266,8 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             else ("rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
         )
         row.update({k: r[k] for k in keys})
+        if p in plan["padded"]:
+            row["padded_rows"] = {k: plan["padded"][p][k] for k in ("rows", "rel_l2", "norm", "ref_norm")}
         params.append(row)
     by_name = {r["name"]: r for r in params}
 
