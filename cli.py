@@ -431,6 +431,32 @@ def demo(
     typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
 
 
+@app.command()
+@user_errors
+def explain(
+    capture: Annotated[Path, typer.Argument(help="Capture bundle recorded with --modules.")],
+    module: Annotated[str, typer.Option("--module", help="Recorded module to explain (as `oracle score LOCAL` names it).")],
+    fmt: Annotated[
+        str | None, typer.Option("--as", help="Format the op classes run in (fp32, bf16, fp16); default: the capture's.")
+    ] = None,
+    json_out: JsonOut = None,
+    report: Annotated[Path | None, typer.Option(help="Write explain.json and an HTML page here.")] = None,
+) -> None:
+    """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
+    from oracle.explain import explain as do_explain
+    from oracle.jsonio import write_json
+    from oracle.render import render_explain
+    from oracle.report import write_explain_report
+
+    res = do_explain(capture, module, fmt=fmt)
+    typer.echo(render_explain(res))
+    if json_out:
+        write_json(res, json_out)
+        typer.echo(f"json: {json_out}")
+    if report:
+        typer.echo(f"report: {write_explain_report(res, report)}")
+
+
 def main() -> None:  # console script entry point
     app()
 

@@ -42,7 +42,7 @@ from typing import Any
 from . import recipe as recipes
 from .bundle import Bundle
 from .certify import FD_WARN
-from .errors import BundleError, MismatchError
+from .errors import BundleError, MismatchError, UsageError
 from .layers import group as group_layers
 from .metrics import aggregate, global_scale, tensor_metrics
 from .tolerance import MARGIN, table
@@ -88,11 +88,26 @@ def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
     return group_layers(names, key)
 
 
-def _pick_band(bands: list[Bundle], precision: str | None) -> Bundle | None:
+def _pick_band(bands: list[Bundle], precision: str, label: str, force: bool) -> tuple[Bundle | None, str | None]:
+    """The band emulating ``precision``; ``(band, warning)``.
+
+    A band of another precision measures another noise (an fp32 band is ~1000x narrower than
+    amp-bf16 noise): it is refused, naming the band to make, unless ``force`` -- then it is used
+    and the warning goes into the verdict. A capture of unknown precision (a log, a dump that does
+    not say) takes the only band given, with the same warning."""
     same = [b for b in bands if b.get("precision") == precision]
-    if same:
-        return same[0]
-    return bands[0] if len(bands) == 1 else None
+    if same or not bands:
+        return (same[0] if same else None), None
+    have = ", ".join(f"{b.path.name} ({b.get('precision')})" for b in bands)
+    if precision == "unknown" and len(bands) == 1:
+        return bands[0], f"{label} does not say its precision; band {have} applied as given"
+    if not force:
+        raise UsageError(
+            f"{label} is a {precision} capture but no --band emulates {precision} (given: {have}); make one with "
+            f"`oracle replay {label} --dtype {precision} --ensemble 4 --out band-{precision}` and pass it with --band, "
+            "or force the band given (force_band=True, --force-band) and read the verdict with that in mind"
+        )
+    return bands[0], f"band {have} measures another precision than this {precision} capture (forced)"
 
 
 def _short(param: str, layer: str) -> str:
@@ -110,7 +125,10 @@ def score(
     margin: float = MARGIN,
     tol_overrides: dict[str, dict[str, float]] | None = None,
     names: list[str] | None = None,
+    force_band: bool = False,
 ) -> dict[str, Any]:
+    """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
+    refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
         raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
@@ -135,15 +153,18 @@ def score(
     plans = []
     for c, lab in zip(caps, labels):
         prec = c.get("precision") or "unknown"
-        band = _pick_band(bands, prec)
+        band, band_warning = _pick_band(bands, prec, lab, force_band)
         tolrow = tol.get(prec, tol["unknown"])
-        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow,
+        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow, "band_warning": band_warning,
                       "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}, "padded": {}})  # fmt: skip
     band_cache: dict[str, list[dict[str, float]]] = {}
 
     # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
+    oracle_nonfinite = []
     for p in pnames:
         t = oracle.load("grads", p)
+        if not bool(t.isfinite().all()):
+            oracle_nonfinite.append(p)
         for b in bands:
             band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in b.member_groups() if b.has(g, p)]
         for plan in plans:
@@ -161,6 +182,7 @@ def score(
         del t
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
+    oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
     for c, plan in zip(result_caps, plans):
         c["unverified"] = unverified[c["name"]]
@@ -168,7 +190,7 @@ def score(
         if c["loss_check"] and c["loss_check"]["beyond"]:
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
     out = {
-        "oracle": _oracle_info(oracle),
+        "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
         "tolerances": tol,
         "captures": result_caps,
@@ -275,7 +297,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
                            "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
                            "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
 
-    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only)
+    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only, rank)
     loss = c.get("loss") or {}
     return {
         "name": plan["name"], "path": str(c.path), "kind": c.kind, "precision": plan["precision"],
@@ -287,12 +309,14 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
     }  # fmt: skip
 
 
-def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, Any]:
+def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[str, Any]:
     name, prec = plan["name"], plan["precision"]
     if not layer_rows:
         return {"class": WITHIN, "excess": 0.0, "worst_layer": None, "onset": None, "global_scale": None,
                 "text": f"{name} ({prec}): no parameter in common with the oracle"}  # fmt: skip
-    nonfinite = [p["name"] for p in params if p["nonfinite"]]
+    # along the backward (the oracle's completion order, loss end first), not in storage order:
+    # the first one the backward completes is where non-finite values appear first
+    nonfinite = sorted((p["name"] for p in params if p["nonfinite"]), key=lambda n: rank.get(n, len(rank)))
     worst = max(layer_rows, key=lambda r: r["excess"])
     key = "norm_dev" if norms_only else "rel_l2"
     onset = None
@@ -316,7 +340,8 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, An
     cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
     what = "norm deviation" if norms_only else "rel L2"
     if cls == NONFINITE:
-        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), first {nonfinite[0]}"
+        where = "first along the backward" if rank else "first in storage order (the oracle has no backward order)"
+        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), {where}: {nonfinite[0]}"
     elif cls == WITHIN:
         text = (f"{name} ({prec}): within noise; worst layer {worst['name']} at {what} {worst[key]:.2e}"
                 f" = {worst['excess']:.2f}x its band")  # fmt: skip
@@ -328,7 +353,12 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, An
         text += f"; loss scaling / normalisation mismatch, c = {gs['c']:.6g} (after scaling: {gs['residual_after_scaling']:.2e})"
     if norms_only:
         text += " [norm-only capture: scored on norm ratio alone]"
-    return {"class": cls, "excess": worst["excess"], "worst_layer": worst["name"],
+    if cls == BEYOND and onset["layer"] == layer_rows[0]["name"]:
+        # a forward fault perturbs the loss, so every gradient leaves the band from the loss end on
+        text += "; an onset at the loss end may be a forward fault: only a local replay (capture --modules) localises those"
+    if plan.get("band_warning"):
+        text += f" [WARNING: {plan['band_warning']}]"
+    return {"class": cls, "nonfinite_params": nonfinite, "band_warning": plan.get("band_warning"), "excess": worst["excess"], "worst_layer": worst["name"],
             "worst_rel_l2": worst[key], "onset": onset, "global_scale": gs, "text": text}  # fmt: skip
 
 
@@ -345,17 +375,20 @@ def _compare(caps: list[dict], layers) -> dict[str, Any]:
             "worst_layer_error": overall}  # fmt: skip
 
 
-def _oracle_info(oracle: Bundle) -> dict[str, Any]:
+def _oracle_info(oracle: Bundle, nonfinite: list[str]) -> dict[str, Any]:
     cert = oracle.get("certificate")
     warn = None
-    if cert is None:
+    if nonfinite:
+        warn = (f"the oracle's own gradients are non-finite in {len(nonfinite)} parameter(s), first along the backward: "
+                f"{nonfinite[0]}: the step overflows even in float64")  # fmt: skip
+    elif cert is None:
         warn = "the oracle is uncertified (replayed with --no-verify): its gradient was not checked by finite differences"
     elif cert["fd_rel_residual"] > FD_WARN:
         warn = f"the oracle's finite-difference residual {cert['fd_rel_residual']:.1e} exceeds {FD_WARN:.0e}: do not trust it"
     return {
         "path": str(oracle.path), "precision": oracle.get("precision"), "loss": (oracle.get("loss") or {}).get("value"),
         "certificate": cert, "numerics": oracle.get("numerics"), "warning": warn,
-        "source_precision": (oracle.get("source") or {}).get("precision"),
+        "source_precision": (oracle.get("source") or {}).get("precision"), "nonfinite_params": nonfinite,
     }  # fmt: skip
 
 
