@@ -229,11 +229,11 @@ def score(
     tol: Tol = None,
     name: Names = None,
     top: Annotated[int, typer.Option(min=0, help="Worst parameters shown per capture.")] = 8,
+    force_band: Annotated[bool, typer.Option("--force-band", help="Use a --band of another precision than the capture's (the verdict then carries a warning).")] = False,
 ) -> None:  # fmt: skip
     """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
     from oracle.bundle import Bundle
     from oracle.jsonio import write_json
-    from oracle.report import write_report
     from oracle.tolerance import parse_overrides
 
     overrides = parse_overrides(tol or [])
@@ -241,25 +241,31 @@ def score(
     if first.kind == "local":
         if captures:
             raise UsageError("a local replay is scored alone: give no captures")
-        from oracle.local import render_local, score_local
+        from oracle.render import render_local
+        from oracle.report import write_local_report
+        from oracle.score_local import score_local
 
-        result = score_local(first, margin=margin, tol_overrides=overrides)
+        result = score_local(first, margin=margin, tol_overrides=overrides, band_paths=band or [])
         typer.echo(render_local(result))
+        write = write_local_report
     else:
         if not captures:
             raise UsageError("give at least one capture to score against the oracle")
         if name and len(name) != len(captures):
             raise UsageError(f"--name given {len(name)} times for {len(captures)} captures")
         from oracle.render import render
+        from oracle.report import write_report
         from oracle.score import score as do_score
 
-        result = do_score(oracle, captures, band_paths=band or [], margin=margin, tol_overrides=overrides, names=name or None)
+        result = do_score(oracle, captures, band_paths=band or [], margin=margin, tol_overrides=overrides,
+                          names=name or None, force_band=force_band)  # fmt: skip
         typer.echo(render(result, top=top))
+        write = write_report
     if json_out:
         write_json(result, json_out)
         typer.echo(f"json: {json_out}")
     if report:
-        typer.echo(f"report: {write_report(result, report)}")
+        typer.echo(f"report: {write(result, report)}")
 
 
 @app.command("compare-logs")

@@ -262,8 +262,3 @@ def replay_local(
             fingerprint=cap.fingerprint(), recipe=cap.get("recipe"), local=rows,
         )  # fmt: skip
     return Path(out)
-
-
-# Kept for cli.py's ``score`` until it calls score_local.py and render.py directly (being rewritten).
-from .render import render_local  # noqa: E402, F401
-from .score_local import score_local  # noqa: E402, F401

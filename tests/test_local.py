@@ -94,8 +94,12 @@ def test_module_capture_cli_budget_and_local_score(tmp_path):
     assert r.exit_code == 0 and "recording 5 module boundaries" in r.output
     r = CliRunner().invoke(app, ["replay", str(tmp_path / "c"), "--local", "--out", str(tmp_path / "l")])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(app, ["score", str(tmp_path / "l")])
-    assert r.exit_code == 0 and "no module beyond its expected local error" in r.output
+    r = CliRunner().invoke(app, ["score", str(tmp_path / "l"), "--json", str(tmp_path / "l.json"), "--report", str(tmp_path / "rep"),
+                                 "--margin", "3", "--tol", "fp32:floor=1e-9"])  # fmt: skip
+    assert r.exit_code == 0 and "no module beyond its expected local error" in r.output, r.output
+    assert (tmp_path / "rep" / "index.html").stat().st_size > 100 and "modules" in (tmp_path / "l.json").read_text()
+    r = CliRunner().invoke(app, ["score", str(tmp_path / "l"), str(tmp_path / "c")])
+    assert r.exit_code == 2 and "scored alone" in r.output
     r = CliRunner().invoke(app, ["replay", str(tmp_path / "l"), "--local", "--out", str(tmp_path / "l2")])
     assert r.exit_code == 4
 
