@@ -39,13 +39,13 @@ from tqdm import tqdm
 
 from .bundle import Bundle, BundleWriter, check_output
 from .errors import BundleError, RecipeError
+from .materialize import Weights, evict, materialize, skeleton
 from .metrics import rel_l2
 from .modules import ModuleRecorder, group_name
 from .numerics import PrecisionMode
 from .precision import CAPTURE_NAMES, emulation
 from .replay import _recipe_of, run_step
-from .shapes import stored_shapes
-from .steps import build_model
+from .shapes import check_shapes, stored_shapes
 
 LOSS = "loss"
 
@@ -59,26 +59,35 @@ def _nonfinite(ts: list[torch.Tensor]) -> int:
 
 
 class _Worker:
-    """Per-process state: the capture and the models per dtype, built once."""
+    """Per-process state: the capture, and per dtype a skeleton of the model (parameters on the meta
+    device, oracle/materialize.py) whose modules are materialised from the capture only while they
+    are replayed: no worker ever holds the whole model."""
 
     def __init__(self, capture: str):
         self.cap = Bundle(capture)
         self.recipe = _recipe_of(self.cap)
         self.models: dict[str, torch.nn.Module] = {}
+        self._live: dict[str, str] = {}  # dtype -> the module materialised in that skeleton now
 
     def model(self, dtype: str) -> torch.nn.Module:
         if dtype not in self.models:
             compute = emulation(dtype)[0]
             cfg = self.cap.manifest["recipe"]["config"]
-            self.models[dtype] = build_model(
-                self.recipe,
-                cfg,
-                lambda n: self.cap.load("weights", n),
-                compute,
-                mode=PrecisionMode(compute),
-                shapes=stored_shapes(self.cap),
-            )
+            shapes, where = stored_shapes(self.cap)
+            check_shapes(self.recipe, cfg, shapes, where)
+            self.models[dtype] = skeleton(self.recipe, cfg, compute, PrecisionMode(compute))
         return self.models[dtype]
+
+    def module(self, dtype: str, name: str) -> torch.nn.Module:
+        """Module ``name`` of the ``dtype`` skeleton with its captured weights (the previous one evicted)."""
+        model = self.model(dtype)
+        live = self._live.get(dtype)
+        if live is not None and live != name:
+            evict(model.get_submodule(live))
+        module = model.get_submodule(name)
+        materialize(module, f"{name}.", Weights(self.cap, emulation(dtype)[0]))
+        self._live[dtype] = name
+        return module
 
     def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None) -> dict[str, list[torch.Tensor]]:
         """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs (inside ``mode``
@@ -124,7 +133,7 @@ class _Worker:
             else:
                 leaves.append(meta["in_static"].get(str(i)))
         args, kwargs = tree_unflatten(leaves, spec)
-        module = self.model(dtype).get_submodule(name)
+        module = self.module(dtype, name)
         module.zero_grad(set_to_none=True)
         with mode:
             out = module(*args, **kwargs)
