@@ -61,6 +61,12 @@ class OutputError(OracleError):
     exit_code = 9
 
 
+class RankError(OracleError):
+    """A rank of a distributed replay died or stopped answering; the run was stopped (resumable)."""
+
+    exit_code = 10
+
+
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
     1: "internal error (a bug: please report it with the last frames printed)",
@@ -72,6 +78,7 @@ EXIT_CODES = {
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
+    RankError.exit_code: "a rank of a distributed replay died or stopped answering (the run stopped; rerun to resume)",
 }
 
 

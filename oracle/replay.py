@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import attention
+from . import attention, distributed
 from . import precision as precisions
 from . import recipe as recipes
 from .bundle import Bundle, BundleWriter, check_output
@@ -118,6 +118,12 @@ def replay(
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
     if dtype == "fp64" and ensemble != 1:
         raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+    if distributed.world() > 1 and dtype == "fp64":
+        raise UsageError(
+            f"{distributed.world()} ranks: the distributed replay spreads emulated ensemble members (--dtype amp-bf16 "
+            "--ensemble K) and --local modules; the tensor-parallel float64 oracle is not built yet: run --dtype fp64 alone"
+        )
+    distributed.init()
     if max_memory is not None:
         if verify == "on":
             raise UsageError("--verify needs the whole model in memory; the streaming replay (--max-memory) has no certificate")
@@ -155,14 +161,39 @@ def replay(
         return Path(out)
 
     compute, round_to, ops = precisions.emulation(dtype)
+    group_of = lambda k: "grads" if k == 0 else f"grads.{k}"  # noqa: E731
+    if not distributed.is_main():  # a rank > 0: its members (k % ranks == rank) go to rank 0 as files
+        with distributed.parts_dir(Path(out)) as tmp:
+            parts, files = {}, []
+            for k in range(ensemble):
+                if distributed.mine(k):
+                    model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
+                    f = tmp / f"{group_of(k)}.safetensors"
+                    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+                    parts[group_of(k)] = {"k": k, "loss": loss, "entries": distributed.save_part(grads, f)}
+                    files.append(f)
+                    del model, grads
+            distributed.send_parts("members", {"members": parts}, files)
+        distributed.finish()
+        return Path(out)
     with BundleWriter(out, "emulation", overwrite=overwrite) as w:
-        losses = []
+        by_k: dict[int, float] = {}
         for k in tqdm(range(ensemble), desc=f"emulating {dtype}", disable=not progress):
+            if not distributed.mine(k):
+                continue
             model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
-            losses.append(loss)
-            w.add("grads" if k == 0 else f"grads.{k}", {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+            by_k[k] = loss
+            w.add(group_of(k), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
             del model
+        for r in range(1, distributed.world()):  # the other ranks' members, adopted as they wrote them
+            with distributed.parts_dir(Path(out)) as tmp:
+                for group, part in distributed.recv_parts("members", r, tmp)["members"].items():
+                    w.adopt(group, tmp / f"{group}.safetensors", part["entries"], move=True)
+                    by_k[part["k"]] = part["loss"]
+        losses = [by_k[k] for k in range(ensemble)]
         w.manifest.update(base)
+        if distributed.world() > 1:
+            w.manifest["ranks"] = distributed.world()
         w.manifest.update(
             loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses},
             members=ensemble,
@@ -174,6 +205,7 @@ def replay(
             },  # fmt: skip
             seconds=round(time.perf_counter() - t0, 3),
         )
+    distributed.finish()
     return Path(out)
 
 
