@@ -228,3 +228,21 @@ def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
     except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
         raise RankError(f"rank {src} died while sending {tag} ({str(e).splitlines()[0]}); run the same command again to resume") from None
     return meta
+
+
+def spread(tag: str, items: list, compute) -> list | None:
+    """Independent JSON-able results over the ranks: ``compute(own_items) -> own results`` on every
+    rank for items k with k % ranks == rank; rank 0 returns all results in item order, the other
+    ranks send theirs to it and return None. One rank: ``compute(items)``."""
+    if world() <= 1:
+        return compute(items)
+    own = [x for k, x in enumerate(items) if mine(k)]
+    rows = compute(own) if own else []
+    if not is_main():
+        send_parts(tag, {"rows": rows})
+        return None
+    by_k = dict(zip([k for k in range(len(items)) if mine(k)], rows))
+    for r in range(1, world()):
+        theirs = [k for k in range(len(items)) if owner(k) == r]
+        by_k.update(zip(theirs, recv_parts(tag, r)["rows"]))
+    return [by_k[k] for k in range(len(items))]

@@ -6,9 +6,10 @@ free port): oracle/distributed.py does the rest, exactly as under torchrun. Thre
 ``--threads`` per rank, by default the cores divided among the ranks.
 
 The launcher is the watchdog of its children: the first rank that exits with an error stops the
-others (SIGTERM, SIGKILL after GRACE_S) and the launcher exits with that rank's code if it was a user
-error the rank reported itself (2..9: every rank sees the same mistake), else with
-``RankError.exit_code`` (10) and a line naming the rank and how it ended (signal or exit code).
+others (SIGTERM, SIGKILL after GRACE_S) and the launcher exits with that rank's code if the rank
+reported the error itself (2..9: a user mistake every rank sees; 10: the rank it lost, named by its
+watchdog), else with ``RankError.exit_code`` (10) and a line naming the rank and how it ended
+(killed by a signal, or an exit code).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def _watch(procs: list[subprocess.Popen]) -> int:
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             r, c = failed[0]
-            if c in USER_CODES:
-                return c
+            if c in USER_CODES or c == RankError.exit_code:
+                return c  # the rank said what went wrong itself (a user mistake, or the rank it lost)
             how = f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"
             print(f"error: rank {r} of {len(procs)} {how}; the other ranks were stopped; run the same command "
                   "again to resume from the journals", file=sys.stderr, flush=True)  # fmt: skip

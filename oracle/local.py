@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 
+from . import distributed
 from .bundle import Bundle, BundleWriter, check_output
 from .errors import BundleError, RecipeError
 from .metrics import rel_l2
@@ -227,11 +228,18 @@ def replay_local(
     precision = cap.get("precision") or "fp32"
     emulate = precision if precision in CAPTURE_NAMES else "fp32"
     path = str(cap.path)
-    if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-            rows = list(ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names)))
-    else:
-        rows = [replay_module(path, n, emulate, members) for n in names]
+
+    def compute(names: list[str]) -> list[dict[str, Any]]:
+        if workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+                return list(ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names)))
+        return [replay_module(path, n, emulate, members) for n in names]
+
+    distributed.init()  # torchrun / --nproc: module k on rank k % ranks (oracle/distributed.py)
+    rows = distributed.spread("local", names, compute)
+    if rows is None:  # a rank > 0: its rows went to rank 0
+        distributed.finish()
+        return Path(out)
     inh = _inherited(cap, names)
     for r in rows:
         r["inherited"] = inh.get(r["module"])
@@ -240,6 +248,7 @@ def replay_local(
             source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,
             fingerprint=cap.fingerprint(), recipe=cap.get("recipe"), local=rows,
         )  # fmt: skip
+    distributed.finish()
     return Path(out)
 
 
