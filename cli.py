@@ -168,6 +168,10 @@ def replay(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/launch.py); rank 0 prints the result
+        from oracle.launch import argv_of, launch
+
+        raise typer.Exit(code=launch(nproc, argv_of(ctx), threads))
     import os
 
     import torch
@@ -188,10 +192,6 @@ def replay(
 
         typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
         return
-    if nproc > 1:  # N ranks of this same command (oracle/launch.py); rank 0 prints the result
-        from oracle.launch import argv_of, launch
-
-        raise typer.Exit(code=launch(nproc, argv_of(ctx), threads))
     from oracle import distributed
 
     if local:

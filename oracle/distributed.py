@@ -78,7 +78,12 @@ def init() -> bool:
     if dist.is_initialized():
         return True
     t = timeout_s()
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=t))
+    try:
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=t))
+    except (RuntimeError, ValueError) as e:  # DistStoreError and friends: a rank missing, a wrong address
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise RankError(f"rank {rank()} of {world()}: the rendezvous at {where} did not complete within {t:.0f} s "
+                        f"({str(e).splitlines()[0]}): a rank did not start, or MASTER_ADDR/MASTER_PORT differ") from None  # fmt: skip
     store = dist.distributed_c10d._get_default_store()
     _STATE["store"] = store
     _STATE["seen"] = {}
@@ -211,7 +216,9 @@ def send_parts(tag: str, meta: dict, files: list[Path] = ()) -> None:  # type: i
         for p in files:
             _send_file(p, 0)
     except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
-        raise RankError(f"rank {me}: sending {tag} to rank 0 failed ({str(e).splitlines()[0]}); run the same command again to resume") from None
+        raise RankError(
+            f"rank {me}: sending {tag} to rank 0 failed ({str(e).splitlines()[0]}); run the same command again to resume"
+        ) from None
 
 
 def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
@@ -226,7 +233,9 @@ def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
             assert into is not None and "/" not in name and name not in (".", ".."), name
             _recv_file(into / name, src)
     except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
-        raise RankError(f"rank {src} died while sending {tag} ({str(e).splitlines()[0]}); run the same command again to resume") from None
+        raise RankError(
+            f"rank {src} died while sending {tag} ({str(e).splitlines()[0]}); run the same command again to resume"
+        ) from None
     return meta
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import RankError, UsageError
 
-GRACE_S = 5.0
+GRACE_S = 2.0
 USER_CODES = range(2, 10)
 
 

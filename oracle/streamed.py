@@ -70,7 +70,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     ranks = distributed.world()
     # one work directory per rank (.NAME.rankR.partial): its members' journals, resumed per rank
-    work, resumed = work_dir(out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble))
+    work, resumed = work_dir(
+        out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
+    )
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}
