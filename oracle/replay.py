@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import attention, distributed
+from . import attention, distributed, tensor_parallel
 from . import precision as precisions
 from . import recipe as recipes
 from .bundle import Bundle, BundleWriter, check_output
@@ -118,10 +118,11 @@ def replay(
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
     if dtype == "fp64" and ensemble != 1:
         raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
-    if distributed.world() > 1 and dtype == "fp64":
+    ranks = distributed.world()
+    if ranks > 1 and dtype == "fp64" and (max_memory is not None or verify == "on"):
         raise UsageError(
-            f"{distributed.world()} ranks: the distributed replay spreads emulated ensemble members (--dtype amp-bf16 "
-            "--ensemble K) and --local modules; the tensor-parallel float64 oracle is not built yet: run --dtype fp64 alone"
+            f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory and has no certificate: "
+            "drop --max-memory and --verify, or replay with one process"
         )
     distributed.init()
     if max_memory is not None:
@@ -132,11 +133,22 @@ def replay(
         return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
                                progress=progress, base=base, t0=t0, activation_budget=activation_budget)  # fmt: skip
     if dtype == "fp64":
-        model, inputs, loss, mode = run_step(cap, dtype)
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        summed: list[str] = []  # tensor parallel (oracle/tensor_parallel.py): gradients summed over ranks
+
+        def split(model):
+            summed.extend(tensor_parallel.parallelize(model, ranks, _recipe_of(cap).tp_plan))
+
+        model, inputs, loss, mode = run_step(cap, dtype, instrument=split if ranks > 1 else None)
+        if ranks > 1:
+            grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
+            if not distributed.is_main():
+                distributed.finish()
+                return Path(out)
+        else:
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         n_params = sum(p.numel() for p in model.parameters())
         cert = None
-        if verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS):
+        if ranks == 1 and (verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS)):
             recipe = _recipe_of(cap)
             reduction = (cap.get("loss") or {}).get("reduction", "mean")
 
@@ -155,9 +167,13 @@ def replay(
                 certificate=cert,
                 seconds=round(time.perf_counter() - t0, 3),
             )
+            if ranks > 1:
+                w.manifest["tensor_parallel"] = {"ranks": ranks, "bound_rel": tensor_parallel.BOUND_REL,
+                                                 "split": sorted({n.split(".")[-1] for n in tensor_parallel.plan_of(model, _recipe_of(cap).tp_plan)})}  # fmt: skip
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
             carry_inputs_and_weights(cap, w)
             w.add("grads", grads)
+        distributed.finish()
         return Path(out)
 
     compute, round_to, ops = precisions.emulation(dtype)
