@@ -68,7 +68,7 @@ def check_divisible(model: nn.Module, ranks: int) -> None:
                 bad.append(f"{path or 'model'}.config.{key} = {v}")
     if bad:
         raise UsageError(f"the tensor-parallel replay splits heads and MLP columns over {ranks} ranks, but "
-                         f"{', '.join(bad)} is not divisible by {ranks}; choose --nproc dividing them")  # fmt: skip
+                         f"{'; '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {ranks}; choose an --nproc that divides them")  # fmt: skip
 
 
 def parallelize(model: nn.Module, ranks: int, extra: dict[str, str] | None = None) -> list[str]:

@@ -131,14 +131,39 @@ def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
     assert time.time() - t0 < 3 + 2 + 5 + 5  # the timeout, a beat, the launcher's grace period, a loaded machine
 
 
-def test_the_float64_oracle_is_not_spread_yet(cap, tmp_path, monkeypatch):
-    """Under torchrun's environment, --dtype fp64 is refused before the rendezvous (nothing to deal out)."""
-    from oracle.errors import UsageError
+def test_tensor_parallel_float64_oracle_equals_the_single_process_one(fp32_capture, oracle_bundle, tmp_path):
+    """--dtype fp64 --nproc 2 on the tiny Qwen3-VL: heads and MLP split by DTensor, still float64
+    throughout (same promotions), every gradient within 1e-12 relative of the single-process oracle."""
+    r = _run(["replay", str(fp32_capture), "--out", str(tmp_path / "tp"), "--nproc", "2", "--threads", "1"])
+    assert r.returncode == 0, r.stderr
+    tp, one = Bundle(tmp_path / "tp"), Bundle(oracle_bundle)
+    assert tp.kind == "oracle" and tp.get("tensor_parallel")["ranks"] == 2
+    assert {"q_proj", "o_proj", "down_proj"} <= set(tp.get("tensor_parallel")["split"])
+    assert tp.get("numerics") == one.get("numerics")  # the same casts promoted: float64 holds under DTensor
+    assert tp.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=1e-12)
+    gt, go = tp.load_group("grads"), one.load_group("grads")
+    assert set(gt) == set(go)
+    worst = {n: float((gt[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
+    assert max(worst.values()) <= 1e-12, max(worst.items(), key=lambda kv: kv[1])
+    assert tp.get("backward_order") == one.get("backward_order")
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+
+def test_the_tensor_parallel_plan_splits_heads_and_mlp_and_refuses_uneven_splits(monkeypatch, tmp_path, cap):
+    from oracle import recipe as recipes
+    from oracle.errors import UsageError
+    from oracle.tensor_parallel import check_divisible, plan_of
+
+    r = recipes.get("qwen3")
+    model = r.build(dict(r.load("tiny-qwen3").config))
+    plan = plan_of(model)
+    assert plan["model.layers.1.self_attn.q_proj"] == "colwise" and plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["model.layers.0.self_attn.k_norm"] == "replicated_with_grad_allreduce" and "lm_head" not in plan
+    with pytest.raises(UsageError, match="num_key_value_heads = 2; .* are not divisible by 3"):
+        check_divisible(model, 3)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: refused before the rendezvous
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(UsageError, match="tensor-parallel float64 oracle is not built yet"):
-        replay(cap, tmp_path / "d")
+    with pytest.raises(UsageError, match="drop --max-memory"):
+        replay(cap, tmp_path / "d", max_memory=1 << 30)
 
 
 def test_nproc_relaunches_the_same_command(cap, tmp_path, monkeypatch):
