@@ -86,7 +86,6 @@ def init() -> bool:
                         f"({str(e).splitlines()[0]}): a rank did not start, or MASTER_ADDR/MASTER_PORT differ") from None  # fmt: skip
     store = dist.distributed_c10d._get_default_store()
     _STATE["store"] = store
-    _STATE["seen"] = {}
     thread = threading.Thread(target=_watch, args=(store, rank(), world(), t), name="oracle-watchdog", daemon=True)
     thread.start()
     return True
@@ -128,18 +127,28 @@ def finish() -> None:
         store = _STATE["store"]
         if rank() == 0:  # keep the store up until every rank has read that the bundle is out
             store.set("oracle/published", "1")
-            _wait(store, [f"oracle/finished/{r}" for r in range(1, world())], None, "finish")
+            _wait(store, [f"oracle/finished/{r}" for r in range(1, world())])
             _STATE["finished"] = True
         else:
-            _wait(store, ["oracle/published"], 0, "rank 0 to publish the bundle")
+            _wait(store, ["oracle/published"])
             _STATE["finished"] = True
             store.set(f"oracle/finished/{rank()}", "1")
 
 
-def _wait(store, keys: list[str], peer: int | None, what: str) -> None:
+def _wait(store, keys: list[str]) -> None:
     """Wait for keys in the store; the watchdog thread ends the process if a peer goes silent."""
     while not store.check(keys):
         time.sleep(0.02)
+
+
+def barrier(tag: str) -> None:
+    """Every rank reached ``tag``: a wait in the store, not in a gloo collective, so ranks that get
+    here minutes apart (building a large model) do not hit gloo's timeout; silence is the watchdog's."""
+    if world() <= 1:
+        return
+    store = _STATE["store"]
+    store.set(f"oracle/barrier/{tag}/{rank()}", "1")
+    _wait(store, [f"oracle/barrier/{tag}/{r}" for r in range(world())])
 
 
 # -- parts sent to rank 0 -----------------------------------------------------------------------------
@@ -210,7 +219,7 @@ def send_parts(tag: str, meta: dict, files: list[Path] = ()) -> None:  # type: i
     store = _STATE["store"]
     me = rank()
     store.set(f"oracle/ready/{tag}/{me}", "1")
-    _wait(store, [f"oracle/go/{tag}/{me}"], 0, f"rank 0 to take {tag}")
+    _wait(store, [f"oracle/go/{tag}/{me}"])
     try:
         _send_bytes(json.dumps({**meta, "files": [p.name for p in files]}).encode(), 0)
         for p in files:
@@ -225,7 +234,7 @@ def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
     """On rank 0: wait until rank ``src`` has its parts ``tag`` ready, take its JSON and its files
     (written under ``into``, by their names)."""
     store = _STATE["store"]
-    _wait(store, [f"oracle/ready/{tag}/{src}"], src, f"rank {src} to finish {tag}")
+    _wait(store, [f"oracle/ready/{tag}/{src}"])
     store.set(f"oracle/go/{tag}/{src}", "1")
     try:
         meta = json.loads(_recv_bytes(src).decode())

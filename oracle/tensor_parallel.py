@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import distributed
 from .errors import UsageError
 
 BOUND_REL = 1e-12  # per parameter, ||g_tp - g|| / ||g||: sums split in another order (measured ~1e-15)
@@ -81,6 +82,7 @@ def parallelize(model: nn.Module, ranks: int, extra: dict[str, str] | None = Non
     plan = plan_of(model, extra)
     if not plan:
         raise UsageError("the model ships no tensor-parallel plan (config.base_model_tp_plan); replay it with one process")
+    distributed.barrier("tp-built")  # every rank has built its model: the collectives can start
     mesh = init_device_mesh("cpu", (ranks,))
     styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
     parallelize_module(model, mesh, {n: styles[s] for n, s in plan.items() if s in styles})
