@@ -169,7 +169,8 @@ def replay(
             )
             if ranks > 1:
                 w.manifest["tensor_parallel"] = {"ranks": ranks, "bound_rel": tensor_parallel.BOUND_REL,
-                                                 "split": sorted({n.split(".")[-1] for n in tensor_parallel.plan_of(model, _recipe_of(cap).tp_plan)})}  # fmt: skip
+                                                 "split": sorted({n.split(".")[-1] for n in tensor_parallel.plan_of(model, _recipe_of(cap).tp_plan)}
+                                                                | ({"lm_head"} if tensor_parallel.vocabulary_split(model, ranks) else set()))}  # fmt: skip
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
             carry_inputs_and_weights(cap, w)
             w.add("grads", grads)

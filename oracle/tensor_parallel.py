@@ -72,10 +72,21 @@ def check_divisible(model: nn.Module, ranks: int) -> None:
                          f"{'; '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {ranks}; choose an --nproc that divides them")  # fmt: skip
 
 
+def vocabulary_split(model: nn.Module, ranks: int) -> bool:
+    """Whether the head is split by vocabulary rows: an untied ``lm_head`` whose rows divide evenly
+    (a head tied to the embedding stays whole: the embedding lookup is not split)."""
+    head = getattr(model, "lm_head", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(head, nn.Linear) or head.bias is not None or (emb is not None and emb.weight is head.weight):
+        return False
+    return head.weight.shape[0] % ranks == 0
+
+
 def parallelize(model: nn.Module, ranks: int, extra: dict[str, str] | None = None) -> list[str]:
     """Split ``model`` in place over a gloo CPU mesh of ``ranks``; returns the parameter names whose
     gradients must be summed over the ranks after the backward."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     check_divisible(model, ranks)
@@ -85,7 +96,10 @@ def parallelize(model: nn.Module, ranks: int, extra: dict[str, str] | None = Non
     distributed.barrier("tp-built")  # every rank has built its model: the collectives can start
     mesh = init_device_mesh("cpu", (ranks,))
     styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
-    parallelize_module(model, mesh, {n: styles[s] for n, s in plan.items() if s in styles})
+    layout = {n: styles[s] for n, s in plan.items() if s in styles}
+    if vocabulary_split(model, ranks):  # the head by vocabulary rows: oracle/headloss.py computes per shard
+        layout["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh, layout)
     return [f"{n}.{p}" for n, s in plan.items() if s == "replicated_with_grad_allreduce"
             for p, _ in model.get_submodule(n).named_parameters()]  # fmt: skip
 

@@ -138,7 +138,7 @@ def test_tensor_parallel_float64_oracle_equals_the_single_process_one(fp32_captu
     assert r.returncode == 0, r.stderr
     tp, one = Bundle(tmp_path / "tp"), Bundle(oracle_bundle)
     assert tp.kind == "oracle" and tp.get("tensor_parallel")["ranks"] == 2
-    assert {"q_proj", "o_proj", "down_proj"} <= set(tp.get("tensor_parallel")["split"])
+    assert {"q_proj", "o_proj", "down_proj", "lm_head"} <= set(tp.get("tensor_parallel")["split"])  # heads, MLP, vocabulary
     assert tp.get("numerics") == one.get("numerics")  # the same casts promoted: float64 holds under DTensor
     assert tp.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=1e-12)
     gt, go = tp.load_group("grads"), one.load_group("grads")
