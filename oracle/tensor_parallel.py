@@ -9,16 +9,19 @@ transformers model is built as in the single-process oracle (float64, every rank
   o_proj, down_proj          RowwiseParallel: input features split, the partial outputs all-reduced
   q_norm, k_norm             replicated; they see only the rank's heads, so their gradients are
                              summed over the ranks after the backward ("replicated_with_grad_allreduce")
+  lm_head (untied)           ColwiseParallel: vocabulary rows split; the vocabulary-chunked head
+                             and loss (oracle/headloss.py) run on each rank's rows and combine the
+                             shards' log-sum-exp and target logits by all-reduce
 
-Everything else is replicated on every rank: embeddings, norms, the ViT (not split) and the
-vocabulary-chunked head and loss (the vocabulary is not split yet). The step runs inside the same
-PrecisionMode(float64) as the single-process oracle: DTensor's ops dispatch through the mode, every
-float op computes in float64 and the loss is asserted float64 before ``backward()``; each sharded
-gradient is gathered (``full_tensor()``) in float64.
+Everything else is replicated on every rank: the embedding (and a head tied to it), norms and the
+ViT. The step runs inside the same PrecisionMode(float64) as the single-process oracle: DTensor's
+ops dispatch through the mode, every float op computes in float64 and the loss is asserted float64
+before ``backward()``; each sharded gradient is gathered (``full_tensor()``) in float64. Every rank
+builds the whole float64 model before DTensor keeps its shard (memory per rank is not yet 1/N).
 
 Numerics: the only difference from the single-process oracle is the order of the sums a row split
-makes (o_proj/down_proj outputs and the gradients of replicated activations are sums of N partial
-sums, all-reduced), so results are not bitwise equal; the bound stated and tested is 1e-12
+makes (o_proj/down_proj outputs, the gradients of replicated activations and the head's
+log-sum-exp are sums of N partial sums, all-reduced), so results are not bitwise equal; the bound stated and tested is 1e-12
 relative on every parameter's gradient (measured on the tiny recipes: about 1e-15).
 """
 
