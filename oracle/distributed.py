@@ -141,6 +141,20 @@ def _wait(store, keys: list[str]) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def collectives(what: str):
+    """Gloo errors inside ``what`` (a peer that left: connection closed, or gloo's timeout) become a
+    RankError naming this rank and what it was doing; anything else passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if world() > 1 and any(k in text.lower() for k in ("gloo", "connection closed", "connection reset", "timed out")):
+            raise RankError(f"rank {rank()} of {world()}: a peer left during {what} ({text.splitlines()[0][:200]}); "
+                            "the run is stopped; run the same command again") from None  # fmt: skip
+        raise
+
+
 def barrier(tag: str) -> None:
     """Every rank reached ``tag``: a wait in the store, not in a gloo collective, so ranks that get
     here minutes apart (building a large model) do not hit gloo's timeout; silence is the watchdog's."""

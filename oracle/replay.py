@@ -138,9 +138,11 @@ def replay(
         def split(model):
             summed.extend(tensor_parallel.parallelize(model, ranks, _recipe_of(cap).tp_plan))
 
-        model, inputs, loss, mode = run_step(cap, dtype, instrument=split if ranks > 1 else None)
+        with distributed.collectives("the tensor-parallel step"):
+            model, inputs, loss, mode = run_step(cap, dtype, instrument=split if ranks > 1 else None)
+            if ranks > 1:
+                grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
         if ranks > 1:
-            grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
             if not distributed.is_main():
                 distributed.finish()
                 return Path(out)
