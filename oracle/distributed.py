@@ -15,7 +15,7 @@ send/recv; no pickle), so nothing is assembled by hand and no shared file system
 Faults: every rank beats a heartbeat into the rendezvous store every HEARTBEAT_S; a watchdog
 thread on rank 0 watches all ranks, the others watch rank 0. A rank whose heartbeat has not moved
 for ``ORACLE_RANK_TIMEOUT`` seconds (default 60), or a store that no longer answers (rank 0 gone),
-stops this process with a message naming the rank and exit code ``RankError.exit_code`` (10);
+stops this process with a message naming the rank and exit code ``RankError.exit_code`` (11);
 gloo's own timeout (the same value) bounds each transfer. Long computations never sit inside a
 collective: a rank announces in the store that its parts are ready and sends only when rank 0
 asks for them, so the timeout is about silence, not about how long a rank computes.

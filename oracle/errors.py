@@ -64,7 +64,7 @@ class OutputError(OracleError):
 class RankError(OracleError):
     """A rank of a distributed replay died or stopped answering; the run was stopped (resumable)."""
 
-    exit_code = 10
+    exit_code = 11
 
 
 EXIT_CODES = {

@@ -7,8 +7,8 @@ free port): oracle/distributed.py does the rest, exactly as under torchrun. Thre
 
 The launcher is the watchdog of its children: the first rank that exits with an error stops the
 others (SIGTERM, SIGKILL after GRACE_S) and the launcher exits with that rank's code if the rank
-reported the error itself (2..9: a user mistake every rank sees; 10: the rank it lost, named by its
-watchdog), else with ``RankError.exit_code`` (10) and a line naming the rank and how it ended
+reported the error itself (2..10: a user mistake every rank sees; 11: the rank it lost, named by its
+watchdog), else with ``RankError.exit_code`` (11) and a line naming the rank and how it ended
 (killed by a signal, or an exit code).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from .errors import RankError, UsageError
 
 GRACE_S = 2.0
-USER_CODES = range(2, 10)
+USER_CODES = range(2, 11)
 
 
 def free_port() -> int:
