@@ -327,18 +327,27 @@ def merge(
     ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.megatron.capture_rank, or folders of them.")],
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
-    hf_config: Annotated[Path, typer.Option(help="The model's Hugging Face config.json.")],
+    hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (needed for qwen3-vl and msprobe imports).")] = None,
+    dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose micro-batch is the step (default: 0 before finalize, all DP ranks after).")] = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Merge per-rank Megatron / MindSpeed captures (TP shards, partial sums) into one capture."""
+    """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture."""
     from oracle.bundle import Bundle
     from oracle.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
 
-    merge_ranks(ranks, out, recipe=recipe, hf_config=load_hf_config(hf_config), overwrite=overwrite)
+    config = load_hf_config(hf_config) if hf_config is not None else None
+    merge_ranks(ranks, out, recipe=recipe, hf_config=config, dp_rank=dp_rank, overwrite=overwrite)
     b = Bundle(out)
     meg = b.get("megatron")
-    typer.echo(f"merged {len(meg['merged_from'])} TP rank(s) ({meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")
+    vocab = meg["vocab"]
+    typer.echo(f"merged {len(meg['merged_from'])} rank(s) (TP {meg['tp_size']}, PP {meg['pp_size']}, DP ranks {meg['dp_ranks']}, "
+               f"{meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")  # fmt: skip
+    typer.echo(f"  vocabulary: {vocab['padded']} rows (padded; true {vocab['true'] or 'unknown'}), kept whole for the replay")
+    if meg.get("packing"):
+        typer.echo(f"  {meg['packing']}")
+    if not b.names("inputs"):
+        typer.echo("  no inputs recorded: this capture can be scored against an oracle of the same step, not replayed")
     for wmsg in meg["warnings"]:
         typer.echo(f"  warning: {wmsg}")
 
@@ -347,26 +356,38 @@ def merge(
 @user_errors
 def rank_view_cmd(
     oracle: Annotated[Path, typer.Argument(help="Oracle of a merged Megatron capture.")],
-    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the run to view.")],
     rank: Annotated[int, typer.Option(min=0, help="TP rank.")] = 0,
-    sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallel on.")] = False,
-    stage: Annotated[Stage, typer.Option(help="When the gradients were taken.")] = Stage.pre_finalize,
-    per_token_loss: Annotated[bool, typer.Option("--per-token-loss/--no-per-token-loss", help="calculate_per_token_loss (ms-swift's default): pre-finalize grads are of the loss SUM.")] = True,
+    pp_rank: Annotated[int, typer.Option(min=0, help="Pipeline stage.")] = 0,
+    tp: Annotated[int | None, typer.Option(min=1, help="Override the recorded tensor-parallel size.")] = None,
+    sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="Override the recorded sequence parallel.")] = None,
+    stage: Annotated[Stage | None, typer.Option(help="Override the recorded stage.")] = None,
+    per_token_loss: Annotated[bool | None, typer.Option("--per-token-loss/--no-per-token-loss", help="Override the recorded calculate_per_token_loss (pre-finalize grads are then of the loss SUM).")] = None,
     seq_len_padded: Annotated[int | None, typer.Option(help="Padded sequence length the run used (default: next multiple of TP).")] = None,
     compare: Annotated[list[Path] | None, typer.Option("--compare", help="Rank bundles of that rank to compare with the view.")] = None,
     logs: Annotated[list[Path] | None, typer.Option("--log", help="Gradient-norm logs printed on that rank: which is closer to the truth.")] = None,
     name: Names = None,
     occurrence: Occurrence = None,
 ) -> None:  # fmt: skip
-    """What one Megatron rank should have held, from the oracle; compared with rank captures or norm logs."""
+    """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
+    from oracle.bundle import Bundle
     from oracle.megatron.rankview import compare_logs as compare_view_logs
-    from oracle.megatron.rankview import compare_rank, rank_view
+    from oracle.megatron.rankview import compare_rank, rank_view, recorded_layout
 
-    view = rank_view(oracle, tp_size=tp, rank=rank, sequence_parallel=sp, stage=stage.value,
-                     calculate_per_token_loss=per_token_loss, seq_len_padded=seq_len_padded)  # fmt: skip
-    typer.echo(f"rank view: TP={tp}{' SP' if sp else ''} rank {rank} {stage.value}: {len(view)} gradients")
+    st = stage.value if stage is not None else None
+    warnings: list[str] = []
+    view = rank_view(oracle, rank=rank, pp_rank=pp_rank, tp_size=tp, sequence_parallel=sp, stage=st,
+                     calculate_per_token_loss=per_token_loss, seq_len_padded=seq_len_padded, warnings=warnings)  # fmt: skip
+    lay, _ = recorded_layout(Bundle(oracle), tp_size=tp, sequence_parallel=sp, stage=st, calculate_per_token_loss=per_token_loss)
+    for wmsg in warnings:
+        typer.echo(f"warning: {wmsg}", err=True)
+    loss = "per-token (sum before finalize)" if lay["calculate_per_token_loss"] else "mean"
+    typer.echo(f"rank view: TP={lay['tp_size']}{' SP' if lay['sequence_parallel'] else ''} rank {rank}, stage {pp_rank} of PP "
+               f"{lay['pp_size']}, {lay['stage']}, {loss} loss: {len(view)} gradients")  # fmt: skip
     for b in compare or []:
         errs = compare_rank(view, b)
+        if not errs:
+            typer.echo(f"  {b}: no gradient in common with the view")
+            continue
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
     if logs:
@@ -383,9 +404,11 @@ def import_msprobe(
     dump: Annotated[Path, typer.Argument(help="msprobe dump directory (DUMP, DUMP/step0 or DUMP/step0/rank0).")],
     out: Out,
     step: Annotated[int | None, typer.Option(help="Which step{N} of the dump.")] = None,
-    rank: Annotated[int | None, typer.Option(help="Which rank{N} of the dump.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Which rank{N} of the dump (the global rank).")] = None,
     precision: Annotated[RunPrecision, typer.Option(help="Precision the dumped run used.")] = RunPrecision.unknown,
     megatron_tp: Annotated[int | None, typer.Option(min=1, help="The dump is a Megatron rank of this TP size: write a rank bundle for `oracle merge`.")] = None,
+    megatron_dp: Annotated[int, typer.Option(min=1, help="Megatron: the run's DP size (the dump names only the global rank).")] = 1,
+    megatron_pp: Annotated[int, typer.Option(min=1, help="Megatron: the run's PP size (layers assumed evenly split over stages).")] = 1,
     sp: Annotated[bool, typer.Option("--sp/--no-sp", help="Megatron: sequence parallel was on.")] = False,
     stage: Annotated[Stage, typer.Option(help="Megatron: when the gradients were dumped.")] = Stage.pre_finalize,
     overwrite: Overwrite = False,
@@ -394,11 +417,17 @@ def import_msprobe(
     from oracle.bundle import Bundle
     from oracle.msprobe import import_dump
 
-    import_dump(dump, out, step=step, rank=rank, precision=precision.value, megatron_tp=megatron_tp,
-                megatron_rank=rank, sequence_parallel=sp, stage=stage.value, overwrite=overwrite)  # fmt: skip
+    import_dump(dump, out, step=step, rank=rank, precision=precision.value, megatron_tp=megatron_tp, megatron_rank=rank,
+                megatron_dp=megatron_dp, megatron_pp=megatron_pp, sequence_parallel=sp, stage=stage.value,
+                overwrite=overwrite)  # fmt: skip
     b = Bundle(out)
     what = f"{len(b.names('grads'))} gradient tensors" if b.kind == "capture" else f"{len(b.get('norms'))} gradient norms"
     typer.echo(f"imported {what} from {dump} -> {out}")
+    meg = b.get("megatron")
+    if meg:
+        c = meg["coords"]
+        typer.echo(f"  Megatron rank {c['rank']}: TP {c['tp_rank']}/{c['tp_size']}, DP {c['dp_rank']}/{c['dp_size']}, "
+                   f"PP {c['pp_rank']}/{c['pp_size']}; no inputs: its merge can be scored, not replayed")  # fmt: skip
 
 
 @app.command()
@@ -411,6 +440,32 @@ def demo(
     from oracle.demo import run_demo
 
     typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
+
+
+@app.command()
+@user_errors
+def explain(
+    capture: Annotated[Path, typer.Argument(help="Capture bundle recorded with --modules.")],
+    module: Annotated[str, typer.Option("--module", help="Recorded module to explain (as `oracle score LOCAL` names it).")],
+    fmt: Annotated[
+        str | None, typer.Option("--as", help="Format the op classes run in (fp32, bf16, fp16); default: the capture's.")
+    ] = None,
+    json_out: JsonOut = None,
+    report: Annotated[Path | None, typer.Option(help="Write explain.json and an HTML page here.")] = None,
+) -> None:
+    """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
+    from oracle.explain import explain as do_explain
+    from oracle.jsonio import write_json
+    from oracle.render import render_explain
+    from oracle.report import write_explain_report
+
+    res = do_explain(capture, module, fmt=fmt)
+    typer.echo(render_explain(res))
+    if json_out:
+        write_json(res, json_out)
+        typer.echo(f"json: {json_out}")
+    if report:
+        typer.echo(f"report: {write_explain_report(res, report)}")
 
 
 def main() -> None:  # console script entry point

@@ -61,6 +61,13 @@ class OutputError(OracleError):
     exit_code = 9
 
 
+class NotReplayable(OracleError):
+    """A capture without inputs (msprobe imports and their merges, norm logs): it can be scored
+    against an oracle of the same step, never replayed into one."""
+
+    exit_code = 10
+
+
 class RankError(OracleError):
     """A rank of a distributed replay died or stopped answering; the run was stopped (resumable)."""
 
@@ -78,6 +85,7 @@ EXIT_CODES = {
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
+    NotReplayable.exit_code: "the bundle holds no inputs; it can only be scored against an oracle of the same step",
     RankError.exit_code: "a rank of a distributed replay died or stopped answering (the run stopped; rerun to resume)",
 }
 

@@ -15,6 +15,16 @@ from pathlib import Path
 from typing import Any
 
 
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for reading: a key given twice is an error, not "the last one wins"."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
 def _clean(obj: Any, count: list[int]) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         count[0] += 1

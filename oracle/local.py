@@ -18,9 +18,10 @@ For each module M recorded at capture (modules.py), on CPU:
 The pseudo-module ``loss`` does the same for the loss alone, from the device's logits (the lm_head
 output) to the device's gradient of the logits.
 
-Culprits: modules with any ratio above the margin; a module that contains a culprit submodule
-yields to it (the error is born inside the child). Ranked by their largest ratio; the direction is
-``forward`` when the forward ratio is beyond the margin, else ``backward``.
+Each row also counts the NaN/Inf in the device's boundary tensors of M (``nonfinite``: in, out,
+gout, gin, param) and in the float64 results (``truth_nonfinite``), and M's place in the forward
+(``order``), so that scoring can name where non-finite values are born. Scoring and rendering are
+score_local.py and render.py; this file only replays.
 Modules are independent, so ``workers > 1`` replays them in separate processes.
 """
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+from tqdm import tqdm
 
 from . import distributed
 from .bundle import Bundle, BundleWriter, check_output
@@ -45,13 +47,16 @@ from .precision import CAPTURE_NAMES, emulation
 from .replay import _recipe_of, run_step
 from .shapes import stored_shapes
 from .steps import build_model
-from .tolerance import MARGIN, table
 
 LOSS = "loss"
 
 
 def _rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
     return rel_l2(dev, ref) if ref else None
+
+
+def _nonfinite(ts: list[torch.Tensor]) -> int:
+    return sum(int((~t.isfinite()).sum()) for t in ts if t.is_floating_point())
 
 
 class _Worker:
@@ -76,14 +81,15 @@ class _Worker:
             )
         return self.models[dtype]
 
-    def run(self, name: str, dtype: str, jitter: int | None) -> dict[str, list[torch.Tensor]]:
-        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs."""
+    def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None) -> dict[str, list[torch.Tensor]]:
+        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs (inside ``mode``
+        when given: explain.py's per-op-class modes, on the ``dtype`` model)."""
         compute, round_to, ops = emulation(dtype)
         meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
         group = group_name(name if name != LOSS else "lm_head")
         stored = set(self.cap.names(group))
 
-        mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
+        mode = mode or PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
 
         def load(key: str) -> torch.Tensor:
             t = self.cap.load(group, key)
@@ -144,12 +150,17 @@ class _Worker:
         stored = set(self.cap.names(group))
         if name == LOSS:
             lv = (self.cap.get("loss") or {}).get("value")
-            return {"out": [torch.tensor([lv], dtype=torch.float64)], "gin": [self.cap.load(group, "gout.0")], "param": []}
-        n_out = [k for k in stored if k.startswith("out.")]
-        outs = [self.cap.load(group, k) for k in sorted(n_out, key=lambda k: int(k.split(".")[1]))]
+            return {"out": [torch.tensor([lv], dtype=torch.float64)], "gin": [self.cap.load(group, "gout.0")], "param": [],
+                    "in": [self.cap.load(group, "out.0")], "gout": []}  # fmt: skip
+
+        def leaves(prefix: str) -> list[torch.Tensor]:
+            keys = sorted((k for k in stored if k.startswith(prefix)), key=lambda k: int(k.split(".")[1]))
+            return [self.cap.load(group, k) for k in keys]
+
         gin = [self.cap.load(group, f"gin.{i}") for i in meta.get("grad_in", []) if f"gin.{i}" in stored]
         grads = set(self.cap.names("grads"))
-        return {"out": outs, "gin": gin, "param": [self.cap.load("grads", n) for n in param_names if n in grads]}
+        return {"out": leaves("out."), "gin": gin, "param": [self.cap.load("grads", n) for n in param_names if n in grads],
+                "in": leaves("in."), "gout": leaves("gout.")}  # fmt: skip
 
 
 _STATE: dict[str, _Worker] = {}
@@ -166,7 +177,11 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
     meta = w.cap.manifest["modules"].get(name if name != LOSS else "lm_head", {})
     truth = w.run(name, "fp64", None)
     dev = w.device(name, truth.get("param_names", []))
-    row: dict[str, Any] = {"module": name, "calls": meta.get("calls", 1)}
+    row: dict[str, Any] = {"module": name, "calls": meta.get("calls", 1), "order": meta.get("order")}
+    if name == LOSS:
+        row["order"] = len(w.cap.manifest["modules"])  # after every module's forward: first in the backward
+    row["nonfinite"] = {k: _nonfinite(dev[k]) for k in ("in", "out", "gout", "gin", "param")}
+    row["truth_nonfinite"] = {k: _nonfinite(truth[k]) for k in ("out", "gin", "param")}
     keys = ("out", "gin", "param") if meta.get("calls", 1) == 1 else ("out", "gin")
     labels = {"out": "fwd", "gin": "bwd", "param": "param"}
     for k in keys:
@@ -189,11 +204,15 @@ def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
     recorders: list[ModuleRecorder] = []
 
     def record(model):
-        recorders.append(ModuleRecorder(model, real).__enter__())
+        recorders.append(ModuleRecorder(model, real))
+        recorders[-1].__enter__()
 
-    run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
+    try:
+        run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
+    finally:
+        for r in recorders:
+            r.close()
     rec = recorders[0]
-    rec.close()
     out: dict[str, float | None] = {}
     for n in real:
         meta, group = cap.manifest["modules"][n], group_name(n)
@@ -228,12 +247,14 @@ def replay_local(
     precision = cap.get("precision") or "fp32"
     emulate = precision if precision in CAPTURE_NAMES else "fp32"
     path = str(cap.path)
+    bar = dict(total=len(names), desc="local replay", unit="module", disable=not progress)
 
     def compute(names: list[str]) -> list[dict[str, Any]]:
         if workers > 1:
             with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-                return list(ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names)))
-        return [replay_module(path, n, emulate, members) for n in names]
+                it = ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names))
+                return list(tqdm(it, **{**bar, "total": len(names)}))
+        return [replay_module(path, n, emulate, members) for n in tqdm(names, **{**bar, "total": len(names)})]
 
     distributed.init()  # torchrun / --nproc: module k on rank k % ranks (oracle/distributed.py)
     rows = distributed.spread("local", names, compute)
@@ -252,50 +273,6 @@ def replay_local(
     return Path(out)
 
 
-# -- scoring ----------------------------------------------------------------------------------
-def score_local(bundle: Bundle, *, margin: float = MARGIN, tol_overrides=None) -> dict[str, Any]:
-    tol = table(tol_overrides).get(bundle.get("precision") or "unknown", table()["unknown"])
-    rows = []
-    for r in bundle.get("local", []):
-        row = dict(r)
-        for k in ("fwd", "bwd", "param"):
-            if row.get(k) is None:
-                row[f"ratio_{k}"] = None
-                continue
-            exp = max(row.get(f"expected_{k}") or 0.0, tol["floor"])
-            row[f"expected_{k}"] = exp
-            row[f"ratio_{k}"] = row[k] / exp
-        ratios = [row[f"ratio_{k}"] for k in ("fwd", "bwd", "param") if row.get(f"ratio_{k}") is not None]
-        row["ratio"] = max(ratios) if ratios else 0.0
-        row["beyond"] = row["ratio"] > margin
-        fwd_beyond = (row.get("ratio_fwd") or 0.0) > margin
-        row["direction"] = ("forward" if fwd_beyond else "backward") if row["beyond"] else None
-        rows.append(row)
-    beyond = [r for r in rows if r["beyond"]]
-    names = {r["module"] for r in beyond}
-    culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
-    culprits.sort(key=lambda r: -r["ratio"])
-    if culprits:
-        c = culprits[0]
-        text = (f"culprit: {c['module']} ({c['direction']}): its {'forward output' if c['direction'] == 'forward' else 'backward'}"
-                f" is {c['ratio']:.1f}x the error an honest {bundle.get('emulated')} run makes in this module alone"
-                f" ({len(culprits)} module(s) beyond the band)")  # fmt: skip
-    else:
-        worst = max(rows, key=lambda r: r["ratio"]) if rows else None
-        text = "no module beyond its expected local error" + (
-            f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else ""
-        )
-    return {"local": str(bundle.path), "precision": bundle.get("precision"), "margin": margin, "modules": rows,
-            "culprits": [r["module"] for r in culprits], "verdict": {"culprit": culprits[0]["module"] if culprits else None,
-            "direction": culprits[0]["direction"] if culprits else None, "text": text}}  # fmt: skip
-
-
-def render_local(res: dict[str, Any]) -> str:
-    f = lambda x, s=".2e": "-" if x is None else format(x, s)  # noqa: E731
-    lines = [f"local replay {res['local']} ({res['precision']}): error born in each module vs an honest run of the same module",
-             f"  {'module':<52} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
-    for r in sorted(res["modules"], key=lambda r: -r["ratio"]):
-        lines.append(f"  {r['module'][-52:]:<52} {f(r.get('fwd')):>9} {f(r.get('ratio_fwd'), '.1f'):>7} {f(r.get('bwd')):>9} "
-                     f"{f(r.get('ratio_bwd'), '.1f'):>7} {f(r.get('param')):>9} {f(r.get('ratio_param'), '.1f'):>7} {f(r.get('inherited')):>9}")  # fmt: skip
-    lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]
-    return "\n".join(lines)
+# Kept for cli.py's ``score`` until it calls score_local.py and render.py directly (being rewritten).
+from .render import render_local  # noqa: E402, F401
+from .score_local import score_local  # noqa: E402, F401

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import BundleError
+from .jsonio import no_duplicate_keys
 
 SCHEMA_VERSION = 1
 KINDS = ("capture", "oracle", "emulation", "norms", "local")
@@ -176,19 +177,10 @@ class Manifest(_Model):
         return self
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def parse_json(raw: bytes, where: str, what: str = "the bundle is damaged, write it again") -> Any:
     """Strict JSON: UTF-8, no duplicate keys, bounded nesting. Errors are BundleErrors naming ``where``."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except UnicodeDecodeError as e:
         raise BundleError(f"{where} is not UTF-8 text ({e}); {what}") from None
     except RecursionError:

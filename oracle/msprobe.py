@@ -14,7 +14,16 @@ only from the dump's own ``dump_tensor_data`` folder.
 
 For a Megatron model (``megatron_tp``), each rank's dump becomes a Megatron rank bundle (the TP
 layout read from the module classes: ColumnParallelLinear and VocabParallelEmbedding split dim 0,
-RowParallelLinear dim 1), which ``oracle merge`` merges like the hook's captures.
+RowParallelLinear dim 1; partial sums per megatron/layout.partial_sum), which ``oracle merge``
+merges like the hook's captures. A dump is named by its global rank only; its TP/DP/PP
+coordinates follow from the sizes given (``megatron_dp``, ``megatron_pp``) and Megatron's default
+rank order tp-cp-ep-dp-pp (TP fastest, PP slowest, CP = 1):
+
+    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+
+A pipeline stage's layer offset is not in the dump: it is taken as pp_rank x (the decoder layers
+this dump holds), i.e. an even split, and recorded as assumed. Such a rank bundle holds no inputs
+and no config: its merge needs ``--hf-config`` and can be scored, not replayed.
 """
 
 from __future__ import annotations
@@ -28,10 +37,21 @@ import torch
 
 from .bundle import BundleWriter
 from .errors import BundleError, InputNotFound
+from .megatron.layout import partial_sum
 
 _GRAD = re.compile(r"^Module\.(?P<path>.+)\.(?P<cls>[A-Za-z_][A-Za-z0-9_]*)\.parameters_grad\.(?P<n>\d+)$")
 _FWD = re.compile(r"^Module\.(?P<path>.+)\.(?P<cls>[A-Za-z_][A-Za-z0-9_]*)\.forward\.(?P<n>\d+)$")
 _SPLIT = {"ColumnParallelLinear": 0, "VocabParallelEmbedding": 0, "RowParallelLinear": 1}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def megatron_coords(rank: int, *, tp: int, dp: int = 1, pp: int = 1) -> dict[str, int]:
+    """Coordinates of global rank ``rank`` in Megatron's default order tp-cp-ep-dp-pp (CP = 1)."""
+    if not 0 <= rank < tp * dp * pp:
+        raise BundleError(f"dump rank {rank} is outside TP {tp} x DP {dp} x PP {pp} = {tp * dp * pp} ranks; "
+                          "give the run's sizes with --megatron-tp / --megatron-dp / --megatron-pp")  # fmt: skip
+    return {"rank": rank, "tp_rank": rank % tp, "tp_size": tp, "dp_rank": (rank // tp) % dp, "dp_size": dp,
+            "pp_rank": rank // (tp * dp), "pp_size": pp, "cp_size": 1}  # fmt: skip
 
 
 def dump_dirs(path: str | Path, *, step: int | None = None, rank: int | None = None) -> list[Path]:
@@ -102,7 +122,8 @@ def read_dump(folder: Path) -> dict[str, Any]:
 
 def import_dump(path: str | Path, out: str | Path, *, step: int | None = None, rank: int | None = None,
                 precision: str = "unknown", megatron_tp: int | None = None, megatron_rank: int | None = None,
-                sequence_parallel: bool = False, stage: str = "pre-finalize", overwrite: bool = False) -> Path:  # fmt: skip
+                megatron_dp: int = 1, megatron_pp: int = 1, sequence_parallel: bool = False, stage: str = "pre-finalize",
+                overwrite: bool = False) -> Path:  # fmt: skip
     dirs = dump_dirs(path, step=step, rank=rank)
     if len(dirs) > 1:
         raise BundleError(
@@ -119,12 +140,16 @@ def import_dump(path: str | Path, out: str | Path, *, step: int | None = None, r
         w.manifest.update(recipe={"name": None, "config": {}}, precision=precision, source=source, loss=None)
         if megatron_tp is not None:
             r = megatron_rank if megatron_rank is not None else int(re.sub(r"\D", "", folder.name) or 0)
+            coords = megatron_coords(r, tp=megatron_tp, dp=megatron_dp, pp=megatron_pp)
             layout = {n: {"tensor_model_parallel": d["classes"].get(n) in _SPLIT, "partition_dim": _SPLIT.get(d["classes"].get(n), -1),
-                          "partition_stride": 1, "sequence_parallel": sequence_parallel and "layernorm" in n
-                          and "q_layernorm" not in n and "k_layernorm" not in n} for n in d["grads"]}  # fmt: skip
-            w.manifest["megatron"] = {"stage": stage, "coords": {"rank": r, "tp_rank": r, "tp_size": megatron_tp},
-                                      "calculate_per_token_loss": True, "num_tokens": None, "layout": layout,
-                                      "config": {}, "from_msprobe": True}  # fmt: skip
+                          "partition_stride": 1, "sequence_parallel": partial_sum(n, tp=megatron_tp, sp=sequence_parallel) == "tokens"}
+                      for n in d["grads"]}  # fmt: skip
+            per_stage = len({m[1] for n in d["grads"] if (m := _LAYER.search(n))})
+            w.manifest["megatron"] = {"stage": stage, "coords": coords, "calculate_per_token_loss": True, "num_tokens": None,
+                                      "layout": layout, "config": {"sequence_parallel": sequence_parallel},
+                                      "layer_offset": coords["pp_rank"] * per_stage,
+                                      "layer_offset_assumed": "even split" if megatron_pp > 1 else None,
+                                      "from_msprobe": True}  # fmt: skip
         w.add("grads", d["grads"])
         if d["weights"]:
             w.add("weights", d["weights"])

@@ -29,24 +29,23 @@ from typing import Any
 from .bundle import BundleWriter
 from .errors import InputNotFound, LogParseError
 from .layers import generic_key
+from .megatron.layout import partial_sum
 
 DEFAULT_PATTERN = r"\[DEBUG_GRAD_NORM\]\[[^\]]*\]\s+(?P<name>\S+)\s+norm=(?P<value>[-+0-9.eEnaifNI]+)"
 
-# Parameter kinds, first match wins. "partial" marks grads that are per-rank partial sums before
-# Megatron's finalize_model_grads (megatron-layouts.md).
+# Parameter kinds, first match wins (labels only; which are partial sums is megatron/layout.partial_sum's rule).
 KINDS = [
     (
         "norm weight (SP partial sum)",
         r"(layer_norm_weight|final_layernorm|input_layernorm|post_attention_layernorm|\.norm\.weight)",
-        True,
     ),
-    ("q/k layernorm (TP partial sum)", r"(q_layernorm|k_layernorm|q_norm|k_norm)", True),
-    ("embedding (vocab shard)", r"(word_embeddings|embed_tokens)", False),
-    ("output layer (vocab shard)", r"(output_layer|lm_head)", False),
-    ("attention matrix (TP shard)", r"(linear_qkv|linear_proj|q_proj|k_proj|v_proj|o_proj)\.weight", False),
-    ("MLP matrix (TP shard)", r"(linear_fc1|linear_fc2|gate_proj|up_proj|down_proj)\.weight", False),
-    ("vision", r"visual", False),
-    ("other", r".", False),
+    ("q/k layernorm (TP partial sum)", r"(q_layernorm|k_layernorm|q_norm|k_norm)"),
+    ("embedding (vocab shard)", r"(word_embeddings|embed_tokens)"),
+    ("output layer (vocab shard)", r"(output_layer|lm_head)"),
+    ("attention matrix (TP shard)", r"(linear_qkv|linear_proj|q_proj|k_proj|v_proj|o_proj)\.weight"),
+    ("MLP matrix (TP shard)", r"(linear_fc1|linear_fc2|gate_proj|up_proj|down_proj)\.weight"),
+    ("vision", r"visual"),
+    ("other", r"."),
 ]
 
 
@@ -121,10 +120,12 @@ def layer_of(name: str) -> tuple[tuple[int, int], str]:
 
 
 def kind_of(name: str) -> tuple[str, bool]:
-    for label, rx, partial in KINDS:
+    """(kind label, whether a pre-finalize print of it under TP and SP is a per-rank partial sum)."""
+    partial = partial_sum(name, tp=2, sp=True) is not None
+    for label, rx in KINDS:
         if re.search(rx, name):
             return label, partial
-    return "other", False
+    return "other", partial
 
 
 def compare(a: NormLog, b: NormLog, names: tuple[str, str] = ("A", "B")) -> dict[str, Any]:
@@ -149,20 +150,19 @@ def compare(a: NormLog, b: NormLog, names: tuple[str, str] = ("A", "B")) -> dict
     layer_rows = [{"layer": lab, "ratio": math.sqrt(v["b_sq"] / v["a_sq"]) if v["a_sq"] else math.inf, "n_params": v["n"]}
                   for lab, v in layers.items()]  # fmt: skip
     kinds: dict[str, list[float]] = {}
+    partial_kinds: set[str] = set()
     for r in params:
         if math.isfinite(r["ratio"]) and r["ratio"] > 0:
             kinds.setdefault(r["kind"], []).append(abs(math.log(r["ratio"])))
+            if r["partial_sum"]:
+                partial_kinds.add(r["kind"])
     kind_rows = sorted(({"kind": k, "mean_abs_log_ratio": sum(v) / len(v), "n": len(v),
-                         "partial_sum": kind_of_label_partial(k)} for k, v in kinds.items()),
+                         "partial_sum": k in partial_kinds} for k, v in kinds.items()),
                        key=lambda r: -r["mean_abs_log_ratio"])  # fmt: skip
     result = {"names": list(names), "logs": [a.path, b.path], "params": params, "layers": layer_rows,
               "kinds": kind_rows, "only_in": {names[0]: only_a, names[1]: only_b}}  # fmt: skip
     result["summary"] = _summary(result)
     return result
-
-
-def kind_of_label_partial(label: str) -> bool:
-    return next((p for lbl, _, p in KINDS if lbl == label), False)
 
 
 def _summary(r: dict[str, Any]) -> str:

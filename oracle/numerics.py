@@ -38,10 +38,12 @@ way), the spread another accumulation order gives.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -67,6 +69,23 @@ _FP32_CUDA = {
     _aten.nll_loss_forward.default, _aten.mse_loss.default,
 }  # fmt: skip
 _FP32_CPU = {_aten.nll_loss_forward.default, _aten.mse_loss.default, _aten.prod.default, _aten.cumsum.default}
+# Both lists are torch's autocast policy (aten/src/ATen/autocast_mode.cpp: the CUDA ``fp32`` list,
+# the CPU ``fp32`` list; the ``lower_precision_fp`` lists are AMP_OPS above) as seen at the aten
+# level; tests/test_autocast_diff.py checks the emulation against real autocast op by op.
+# Outside those lists an op runs in its inputs' dtype. Mixed-dtype kernels are the exception:
+# CPU layer_norm takes a bf16 input with fp32 weight and returns the input's dtype (its backward
+# the same for grad_input), computing in float32 inside. func -> (arg deciding, outputs that follow).
+# (CPU only: CUDA's autocast runs layer_norm in float32.)
+_FOLLOWS_INPUT = {
+    _aten.native_layer_norm.default: (0, (0,)),
+    _aten.native_layer_norm_backward.default: (1, (0,)),
+}
+# Slots a low-precision kernel keeps in float32 whatever its inputs: func -> (args, outputs). CPU
+# flash attention returns its logsumexp in float32 and reads it back so in the backward.
+_FP32_SLOTS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: ((), (1,)),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ((5,), ()),
+}
 # Ops that only move or look at data: rounding around them adds nothing.
 _PASSTHROUGH = {
     _aten.detach.default, _aten.clone.default, _aten.copy_.default, _aten.empty_like.default,
@@ -74,6 +93,116 @@ _PASSTHROUGH = {
     _aten._local_scalar_dense.default, _aten.new_empty_strided.default, _aten.empty_strided.default,
     _aten.set_.source_Tensor,
 }  # fmt: skip
+
+
+_DTYPE_GET = torch.Tensor.dtype.__get__
+
+
+def _called_by_the_engine() -> bool:
+    """Whether the torch call comes from oracle's own replay kernels (chunked attention, chunked
+    head and loss) rather than from model code: the first caller outside torch is in ``oracle``.
+    Those kernels compute in the compute dtype by design and see tensors as they are."""
+    f = sys._getframe(2)
+    while f is not None and f.f_globals.get("__name__", "").startswith("torch"):
+        f = f.f_back
+    return f is not None and f.f_globals.get("__name__", "").startswith("oracle.")
+
+
+_F = torch.nn.functional
+_RMS_NORMS = (torch.rms_norm, _F.rms_norm)
+# CPU autocast's float32 list at the Python level: composite ops that autocast casts up before they
+# decompose (the aten pieces, e.g. cross_entropy's log_softmax, are not on the list themselves)
+_FP32_CPU_COMPOSITE = (_F.cross_entropy, _F.nll_loss, _F.mse_loss, _F.l1_loss, _F.smooth_l1_loss, _F.kl_div)
+# Functions that take a bf16 and an fp32 tensor without promoting the bf16 one: autocast's
+# lower-precision ops (they cast everything to bf16), mixed-dtype norm kernels, writes and casts.
+_NO_PROMOTION = {
+    _F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm,
+    torch.baddbmm, _F.conv1d, _F.conv2d, _F.conv3d, _F.scaled_dot_product_attention, _F.layer_norm,
+    torch.layer_norm, torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.type_as,
+    torch.Tensor.type, torch.Tensor.float, torch.Tensor.masked_fill_, torch.Tensor.index_put_,
+}  # fmt: skip
+
+
+class _Upcast(torch.autograd.Function):
+    """``x.float()`` of a tensor held in bf16: same values, no longer held low; its backward casts
+    the gradient back to the held format (rounded by the dispatch mode), as autograd does for a
+    real bf16 tensor."""
+
+    @staticmethod
+    def forward(ctx, x, fmt):
+        ctx.fmt = fmt
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(dtype=ctx.fmt), None
+
+
+class _ApparentDtype(TorchFunctionMode):
+    """amp emulation: a tensor held "in bf16" is a float32 tensor marked low, so model code that
+    looks at its dtype or casts it to float32 would see float32 and do nothing -- where the device
+    sees bf16 and upcasts (``x.float()``), or casts back (``y.to(x.dtype)``). This mode, entered
+    with PrecisionMode, makes the marking visible at the Python level: ``x.dtype`` of a marked
+    tensor is the emulated format; ``.float()`` / ``.to(float32)`` / ``.type_as(fp32 tensor)`` of
+    one returns an unmarked copy (values exact, as the real upcast); a cast to the emulated format
+    reaches the dispatch mode as one (and is rounded there). Only model code is shown this view:
+    calls from oracle's own replay kernels pass through untouched (``_called_by_the_engine``)."""
+
+    def __init__(self, owner: PrecisionMode):
+        super().__init__()
+        self.owner = owner
+
+    def _apparent(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self.owner.round_to if self.owner._is_low(x) else x.dtype
+        return x if isinstance(x, torch.dtype) else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _called_by_the_engine():
+            return func(*args, **kwargs)
+        own = self.owner
+        if func == _DTYPE_GET and args and own._is_low(args[0]):
+            return own.round_to
+        cpu = own._fp32_ops is _FP32_CPU
+        if cpu and func in _RMS_NORMS and args and own._is_low(args[0]):
+            return self._rms_norm(*args, **kwargs)
+        if cpu and func in _FP32_CPU_COMPOSITE:
+            args, kwargs = tree_map(self._upcast_low, (args, kwargs))
+            return func(*args, **kwargs)
+        if func not in _NO_PROMOTION and func != _DTYPE_GET:
+            leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            if any(own._is_low(a) for a in leaves) and not all(own._is_low(a) for a in leaves):
+                # type promotion: the bf16 operands are upcast, and their gradients cast back to bf16
+                # on each edge, as autograd does for a real bf16 tensor
+                args, kwargs = tree_map(self._upcast_low, (args, kwargs))
+        name = getattr(func, "__name__", None)
+        if name in ("float", "to", "type_as", "type") and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            if name == "float":
+                target = torch.float32
+            else:
+                cands = [self._apparent(a) for a in (*args[1:], kwargs.get("dtype"), kwargs.get("other"))]
+                target = next((c for c in cands if isinstance(c, torch.dtype)), None)
+            if target == torch.float32 and own._is_low(x):
+                return _Upcast.apply(x, own.round_to)
+            if target == own.round_to and not own._is_low(x) and x.dtype == own.compute:
+                return x.to(dtype=target)  # reaches the dispatch mode as a cast to the emulated format
+        return func(*args, **kwargs)
+
+    def _upcast_low(self, x: Any) -> Any:
+        return _Upcast.apply(x, self.owner.round_to) if isinstance(x, torch.Tensor) and self.owner._is_low(x) else x
+
+    def _rms_norm(self, x, normalized_shape, weight=None, eps=None):
+        """torch's CPU rms_norm of a bf16 input with fp32 weight (composite, layer_norm.cpp): upcast,
+        ``x * rsqrt(mean(x^2) + eps) * weight`` in float32 (eps defaults to float32's), one rounding
+        to the input's format at the end (checked bitwise against real autocast)."""
+        xf = _Upcast.apply(x, self.owner.round_to)
+        dims = tuple(range(-len(normalized_shape), 0))
+        y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + (torch.finfo(torch.float32).eps if eps is None else eps))
+        if weight is not None:
+            y = y * weight
+        return y.to(dtype=self.owner.round_to)
 
 
 class PrecisionMode(TorchDispatchMode):
@@ -101,6 +230,20 @@ class PrecisionMode(TorchDispatchMode):
             self._gen = torch.Generator().manual_seed(jitter_seed)
             p = -int(math.log2(torch.finfo(round_to).eps))  # stored mantissa bits: 7 bf16, 10 fp16, 23 fp32
             self._jitter = 2.0 ** -(p + 2) if round_to != compute else 2.0**-p
+
+    def __enter__(self):
+        out = super().__enter__()
+        self._fn_mode = None
+        if self.round_to is not None and self.ops == "amp" and self.round_to != self.compute:
+            self._fn_mode = _ApparentDtype(self)
+            self._fn_mode.__enter__()
+        return out
+
+    def __exit__(self, *exc):
+        if self._fn_mode is not None:
+            self._fn_mode.__exit__(*exc)
+            self._fn_mode = None
+        return super().__exit__(*exc)
 
     # -- helpers ----------------------------------------------------------------------------
     def _lower(self, dtype: Any) -> bool:
@@ -147,6 +290,29 @@ class PrecisionMode(TorchDispatchMode):
         floats = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
         return bool(floats) and all(self._is_low(x) for x in floats)
 
+    def _layer_norm_param_grads(self, out, grad_out, x, shape, mean, rstd):
+        """CPU layer_norm backward of a bf16 input: grad_weight = sum_rows(g * xhat), grad_bias =
+        sum_rows(g). The kernel splits the rows into one chunk per thread, sums each chunk
+        sequentially into a bf16 buffer (each partial sum rounded), then adds the buffers in
+        float32 -- reproduced bitwise against real autocast with this host's thread count
+        (``torch.get_num_threads()``; a capture from a host with another count differs by the
+        order of that sum only)."""
+        if out[1] is None and out[2] is None:
+            return out
+        d = math.prod(shape)
+        g = grad_out.reshape(-1, d)
+        xhat = ((x - mean) * rstd).reshape(-1, d)
+        for i, rows in ((1, g * xhat), (2, g)):
+            if out[i] is not None:
+                total = torch.zeros(d, dtype=self.compute)
+                for chunk in rows.chunk(max(1, torch.get_num_threads())):
+                    acc = torch.zeros(d, dtype=self.compute)
+                    for r in chunk:
+                        acc = (acc + r).to(self.round_to).to(self.compute)
+                    total = total + acc
+                out[i] = total.reshape(out[i].shape)
+        return out
+
     def _rounds(self, func) -> bool:
         if self.round_to is None or func in _PASSTHROUGH:
             return False
@@ -191,6 +357,14 @@ class PrecisionMode(TorchDispatchMode):
         if amp and func.is_view:
             out = func(*args, **kwargs)
             return tree_map(self.mark_low, out) if self._is_low(args[0]) else out
+        cpu_low = self._fp32_ops is _FP32_CPU and self.round_to not in (None, self.compute)
+        if amp and cpu_low and func in _FOLLOWS_INPUT and self._is_low(args[_FOLLOWS_INPUT[func][0]]):
+            out = list(tree_map(self._promote, func(*tree_map(self._promote, args), **kwargs)))
+            for i in _FOLLOWS_INPUT[func][1]:
+                out[i] = self.mark_low(self._round(out[i]))
+            if func == _aten.native_layer_norm_backward.default:
+                out = self._layer_norm_param_grads(out, *args[:5])
+            return tuple(out)
         if amp and func not in AMP_OPS and self._amp_follows(func, args, kwargs):
             if func._schema.is_mutable:
                 out = func(*args, **kwargs)
@@ -208,10 +382,16 @@ class PrecisionMode(TorchDispatchMode):
             return out
         args, kwargs = tree_map(self._promote, (args, kwargs))
         rounds = self._rounds(func)
+        keep = _FP32_SLOTS.get(func, ((), ())) if amp else ((), ())
         if rounds:
-            args, kwargs = tree_map(self._round, (args, kwargs))
+            args = [a if i in keep[0] else tree_map(self._round, a) for i, a in enumerate(args)]
+            kwargs = tree_map(self._round, kwargs)
         out = tree_map(self._promote, func(*args, **kwargs))
         if not rounds:
             return out
+        if cpu_low and func == _aten.native_layer_norm_backward.default:  # pure bf16: the same kernel sums
+            out = tuple(self._layer_norm_param_grads(list(out), *args[:5]))
+        if keep[1]:  # outputs the kernel keeps in float32 (attention's logsumexp)
+            return tuple(o if i in keep[1] else self.mark_low(self._round(o)) for i, o in enumerate(out))
         out = tree_map(self._round, out)
         return tree_map(self.mark_low, out) if amp else out

@@ -32,7 +32,7 @@ from . import recipe as recipes
 from .bundle import Bundle, BundleWriter, check_output
 from .capture import versions
 from .certify import finite_difference_certificate
-from .errors import BundleError, RecipeError, UsageError
+from .errors import BundleError, NotReplayable, RecipeError, UsageError
 from .loss import chunked_head
 from .numerics import PrecisionMode
 from .shapes import stored_shapes
@@ -63,7 +63,7 @@ def run_step(
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
-    attention.use(model)  # exact chunked attention (oracle/attention.py), as the streaming replay runs
+    use_replay_attention(model, round_to)
     if instrument is not None:
         instrument(model)
     torch.manual_seed(0)
@@ -104,6 +104,9 @@ def replay(
     check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")
+    if "inputs" not in cap.groups() or not cap.names("inputs"):
+        raise NotReplayable(f"{cap.path} holds no inputs (an msprobe import or its merge): it can only be scored against "
+                            "an oracle of the same step; capture the step with the Megatron hook or oracle.Capture to replay it")  # fmt: skip
     t0 = time.perf_counter()
     base = {
         "recipe": cap.get("recipe"),
@@ -237,3 +240,12 @@ def carry_inputs_and_weights(cap: Bundle, w: BundleWriter) -> None:
             by_file.setdefault(e["file"], {})[name] = {k: v for k, v in e.items() if k != "file"}
         for fname, entries in by_file.items():
             w.adopt(group, cap.path / fname, entries)
+
+
+def use_replay_attention(model: torch.nn.Module, round_to) -> None:
+    """The oracle runs attention through the exact chunked kernel (oracle/attention.py): float64,
+    O(T x chunk) memory. An emulated run keeps the recipe's fused sdpa: one op, rounded once at its
+    output, as a device's fused (flash) attention is; rounding each chunk's scores would overstate
+    the honest error."""
+    if round_to is None:
+        attention.use(model)

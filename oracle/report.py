@@ -92,3 +92,78 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     parts.append("</body></html>")
     (out / "index.html").write_text("\n".join(parts))
     return out / "index.html"
+
+
+LOCAL_CSV_FIELDS = ["module", "calls", "order", "fwd", "expected_fwd", "ratio_fwd", "bwd", "expected_bwd", "ratio_bwd",
+                    "param", "expected_param", "ratio_param", "inherited", "ratio", "class", "direction", "born_nonfinite"]  # fmt: skip
+
+
+def _sortable(x: Any) -> float:
+    """A ratio as a sort key: inf (a non-finite birth) sorts first, NaN/None last."""
+    return x if isinstance(x, (int, float)) and x == x else 0.0
+
+
+def explain_section(res: dict[str, Any]) -> str:
+    """The HTML section of one op-level attribution (explain.py)."""
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(r['class'])}</td><td>{r['share_only']:.1%}</td><td>{r['scale_only']:.2g}</td>"
+        f"<td>{r['share_except']:.1%}</td><td>{r['rel_only']:.3e}</td></tr>"
+        for r in res["classes"]
+    )
+    return (f"<h2>op classes in {e(res['module'])} (run in {e(res['format'])})</h2><p>{e(res['text'])}</p>"
+            "<table><tr><th>op class</th><th>share of the device's error reproduced</th><th>scale</th>"
+            f"<th>share, in context</th><th>class error</th></tr>{rows}</table>")  # fmt: skip
+
+
+def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list[dict[str, Any]] = ()) -> Path:
+    """``oracle score LOCAL --report DIR``: ``score.json`` (non-finite numbers as null),
+    ``modules.csv`` and ``index.html`` (the verdict and the per-module table, culprits first; then
+    a section per op-level attribution in ``explained``, from ``oracle explain``)."""
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(res, out / "score.json")
+    with open(out / "modules.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LOCAL_CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in res["modules"]:
+            w.writerow(r)
+    e = html.escape
+    num = lambda x, s=".3e": "-" if not isinstance(x, (int, float)) else format(x, s)  # noqa: E731
+    rank = {m: i for i, m in enumerate(res["culprits"])}
+    rows = sorted(res["modules"], key=lambda r: (rank.get(r["module"], len(rank)), -_sortable(r["ratio"])))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>oracle local score</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child{text-align:left}"
+        ".beyond_noise{background:#fdd}.non_finite{background:#f99}.within_noise{background:#efe}pre{background:#f6f6f6;padding:1em}</style>",
+        "</head><body><h1>oracle: where the error is born (teacher-forced local replay)</h1>",
+        f"<p>local replay <code>{e(res['local'])}</code> ({e(str(res['precision']))})</p>",
+        f"<pre>{e(res['verdict']['text'])}</pre>",
+        "<p>Files: <a href='score.json'>score.json</a>, <a href='modules.csv'>modules.csv</a></p>",
+        "<table><tr><th>module</th><th>fwd</th><th>x</th><th>bwd</th><th>x</th><th>param</th><th>x</th>"
+        "<th>inherited</th><th>class</th><th>direction</th></tr>",
+    ]
+    for r in rows:
+        parts.append(f"<tr class='{r['class']}'><td>{e(r['module'])}</td><td>{num(r.get('fwd'))}</td><td>{num(r.get('ratio_fwd'), '.1f')}</td>"
+                     f"<td>{num(r.get('bwd'))}</td><td>{num(r.get('ratio_bwd'), '.1f')}</td><td>{num(r.get('param'))}</td>"
+                     f"<td>{num(r.get('ratio_param'), '.1f')}</td><td>{num(r.get('inherited'))}</td><td>{r['class']}</td>"
+                     f"<td>{r.get('direction') or ''}</td></tr>")  # fmt: skip
+    parts.append("</table>")
+    parts += [explain_section(x) for x in explained]
+    parts.append("</body></html>")
+    (out / "index.html").write_text("\n".join(parts))
+    return out / "index.html"
+
+
+def write_explain_report(res: dict[str, Any], out_dir: str | Path) -> Path:
+    """``oracle explain ... --report DIR``: ``explain.json`` and ``index.html``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(res, out / "explain.json")
+    page = ("<!doctype html><html><head><meta charset='utf-8'><title>oracle explain</title><style>body{font-family:sans-serif;"
+            "margin:2em}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+            f"</head><body><h1>oracle: op-level attribution</h1>{explain_section(res)}</body></html>")  # fmt: skip
+    (out / "index.html").write_text(page)
+    return out / "index.html"

@@ -26,18 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputNotFound, RecipeError
+from .jsonio import no_duplicate_keys
 
 ROLES = ("system", "user", "assistant")
 TAG = "<image>"
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
 
 
 def _nth_line(p: Path, index: int) -> tuple[bytes, int]:
@@ -69,7 +61,7 @@ def read_sample(path: str, index: int = 0) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise RecipeError(f"{where} is not UTF-8 text ({e}); save the file as UTF-8") from None
     try:
-        sample = json.loads(text, object_pairs_hook=_no_duplicates)
+        sample = json.loads(text, object_pairs_hook=no_duplicate_keys)
     except RecursionError:
         raise RecipeError(f"{where} nests too deeply to be a sample") from None
     except ValueError as e:

@@ -23,6 +23,14 @@ Verdict of a capture: its class (worst over layers), excess (max over layers), w
                  ||c g - t|| / ||t|| falls back within it, the difference is a global scale: loss
                  scaling or normalisation (token count, 1/N) mismatch, not an arithmetic error.
 With several captures, per layer and overall: which one is closer to the truth.
+
+Loss: every capture that recorded its loss is compared with the oracle's replayed loss,
+    loss_rel = |L_captured - L_replayed| / |L_replayed|,  band = margin x expected (the tolerance
+    table's, for the capture's precision)
+and beyond it the verdict says "the replay is not the step that ran" (a dropped padded
+vocabulary, another loss convention, other inputs); it is a finding, not an error.
+Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
+tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_rows``).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import Any
 from . import recipe as recipes
 from .bundle import Bundle
 from .certify import FD_WARN
-from .errors import BundleError, MismatchError
+from .errors import BundleError, MismatchError, UsageError
 from .layers import group as group_layers
 from .metrics import aggregate, global_scale, tensor_metrics
 from .tolerance import MARGIN, table
@@ -80,11 +88,26 @@ def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
     return group_layers(names, key)
 
 
-def _pick_band(bands: list[Bundle], precision: str | None) -> Bundle | None:
+def _pick_band(bands: list[Bundle], precision: str, label: str, force: bool) -> tuple[Bundle | None, str | None]:
+    """The band emulating ``precision``; ``(band, warning)``.
+
+    A band of another precision measures another noise (an fp32 band is ~1000x narrower than
+    amp-bf16 noise): it is refused, naming the band to make, unless ``force`` -- then it is used
+    and the warning goes into the verdict. A capture of unknown precision (a log, a dump that does
+    not say) takes the only band given, with the same warning."""
     same = [b for b in bands if b.get("precision") == precision]
-    if same:
-        return same[0]
-    return bands[0] if len(bands) == 1 else None
+    if same or not bands:
+        return (same[0] if same else None), None
+    have = ", ".join(f"{b.path.name} ({b.get('precision')})" for b in bands)
+    if precision == "unknown" and len(bands) == 1:
+        return bands[0], f"{label} does not say its precision; band {have} applied as given"
+    if not force:
+        raise UsageError(
+            f"{label} is a {precision} capture but no --band emulates {precision} (given: {have}); make one with "
+            f"`oracle replay {label} --dtype {precision} --ensemble 4 --out band-{precision}` and pass it with --band, "
+            "or force the band given (force_band=True, --force-band) and read the verdict with that in mind"
+        )
+    return bands[0], f"band {have} measures another precision than this {precision} capture (forced)"
 
 
 def _short(param: str, layer: str) -> str:
@@ -102,7 +125,10 @@ def score(
     margin: float = MARGIN,
     tol_overrides: dict[str, dict[str, float]] | None = None,
     names: list[str] | None = None,
+    force_band: bool = False,
 ) -> dict[str, Any]:
+    """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
+    refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
         raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
@@ -123,18 +149,22 @@ def score(
     layers = _layers(oracle, pnames)
     layer_of = {p: lab for lab, ps in layers for p in ps}
 
+    padded = _padded_vocab(oracle)
     plans = []
     for c, lab in zip(caps, labels):
         prec = c.get("precision") or "unknown"
-        band = _pick_band(bands, prec)
+        band, band_warning = _pick_band(bands, prec, lab, force_band)
         tolrow = tol.get(prec, tol["unknown"])
-        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow,
-                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}})  # fmt: skip
+        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow, "band_warning": band_warning,
+                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}, "padded": {}})  # fmt: skip
     band_cache: dict[str, list[dict[str, float]]] = {}
 
     # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
+    oracle_nonfinite = []
     for p in pnames:
         t = oracle.load("grads", p)
+        if not bool(t.isfinite().all()):
+            oracle_nonfinite.append(p)
         for b in bands:
             band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in b.member_groups() if b.has(g, p)]
         for plan in plans:
@@ -143,17 +173,24 @@ def score(
                 if p in plan["norms"]:
                     plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
             elif c.has("grads", p):
-                plan["rows"][p] = tensor_metrics(c.load("grads", p), t)
+                g = c.load("grads", p)
+                plan["rows"][p] = tensor_metrics(g, t)
+                if p in padded and g.shape == t.shape:
+                    plan["padded"][p] = {"rows": list(padded[p]), **tensor_metrics(g[padded[p][0] :], t[padded[p][0] :])}
             if plan["band"] is not None:
                 plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
         del t
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
+    oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
-    for c in result_caps:
+    for c, plan in zip(result_caps, plans):
         c["unverified"] = unverified[c["name"]]
+        c["loss_check"] = _loss_check(plan, oracle, margin)
+        if c["loss_check"] and c["loss_check"]["beyond"]:
+            c["verdict"]["text"] += "; " + c["loss_check"]["text"]
     out = {
-        "oracle": _oracle_info(oracle),
+        "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
         "tolerances": tol,
         "captures": result_caps,
@@ -162,6 +199,28 @@ def score(
     }
     out["summary"] = _summary(out)
     return out
+
+
+def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
+    """HF name -> (V, Vp) for the vocabulary tensors of a Megatron capture that knows its true V < Vp."""
+    meg = oracle.get("megatron") or {}
+    v = meg.get("vocab") or {}
+    if not v.get("true") or not v.get("padded") or v["true"] >= v["padded"]:
+        return {}
+    return {n: (v["true"], v["padded"]) for m in (meg.get("mapping") or {}).values() if m.get("kind") == "vocab" for n in m["hf"]}
+
+
+def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | None:
+    """The capture's recorded loss against the oracle's replayed loss (the same reduction)."""
+    captured = (plan["bundle"].get("loss") or {}).get("value")
+    replayed = (oracle.get("loss") or {}).get("value")
+    if captured is None or replayed is None:
+        return None
+    rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
+    band = margin * plan["tol"]["expected"]
+    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative (captured {captured:.8g}, "
+            f"replayed {replayed:.8g}; band {band:.1e})")  # fmt: skip
+    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": rel > band, "text": text}
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:
@@ -207,6 +266,8 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             else ("rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
         )
         row.update({k: r[k] for k in keys})
+        if p in plan["padded"]:
+            row["padded_rows"] = {k: plan["padded"][p][k] for k in ("rows", "rel_l2", "norm", "ref_norm")}
         params.append(row)
     by_name = {r["name"]: r for r in params}
 
@@ -236,7 +297,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
                            "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
                            "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
 
-    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only)
+    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only, rank)
     loss = c.get("loss") or {}
     return {
         "name": plan["name"], "path": str(c.path), "kind": c.kind, "precision": plan["precision"],
@@ -248,12 +309,14 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
     }  # fmt: skip
 
 
-def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, Any]:
+def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[str, Any]:
     name, prec = plan["name"], plan["precision"]
     if not layer_rows:
         return {"class": WITHIN, "excess": 0.0, "worst_layer": None, "onset": None, "global_scale": None,
                 "text": f"{name} ({prec}): no parameter in common with the oracle"}  # fmt: skip
-    nonfinite = [p["name"] for p in params if p["nonfinite"]]
+    # along the backward (the oracle's completion order, loss end first), not in storage order:
+    # the first one the backward completes is where non-finite values appear first
+    nonfinite = sorted((p["name"] for p in params if p["nonfinite"]), key=lambda n: rank.get(n, len(rank)))
     worst = max(layer_rows, key=lambda r: r["excess"])
     key = "norm_dev" if norms_only else "rel_l2"
     onset = None
@@ -277,7 +340,8 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, An
     cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
     what = "norm deviation" if norms_only else "rel L2"
     if cls == NONFINITE:
-        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), first {nonfinite[0]}"
+        where = "first along the backward" if rank else "first in storage order (the oracle has no backward order)"
+        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), {where}: {nonfinite[0]}"
     elif cls == WITHIN:
         text = (f"{name} ({prec}): within noise; worst layer {worst['name']} at {what} {worst[key]:.2e}"
                 f" = {worst['excess']:.2f}x its band")  # fmt: skip
@@ -289,7 +353,12 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only) -> dict[str, An
         text += f"; loss scaling / normalisation mismatch, c = {gs['c']:.6g} (after scaling: {gs['residual_after_scaling']:.2e})"
     if norms_only:
         text += " [norm-only capture: scored on norm ratio alone]"
-    return {"class": cls, "excess": worst["excess"], "worst_layer": worst["name"],
+    if cls == BEYOND and onset["layer"] == layer_rows[0]["name"]:
+        # a forward fault perturbs the loss, so every gradient leaves the band from the loss end on
+        text += "; an onset at the loss end may be a forward fault: only a local replay (capture --modules) localises those"
+    if plan.get("band_warning"):
+        text += f" [WARNING: {plan['band_warning']}]"
+    return {"class": cls, "nonfinite_params": nonfinite, "band_warning": plan.get("band_warning"), "excess": worst["excess"], "worst_layer": worst["name"],
             "worst_rel_l2": worst[key], "onset": onset, "global_scale": gs, "text": text}  # fmt: skip
 
 
@@ -306,17 +375,20 @@ def _compare(caps: list[dict], layers) -> dict[str, Any]:
             "worst_layer_error": overall}  # fmt: skip
 
 
-def _oracle_info(oracle: Bundle) -> dict[str, Any]:
+def _oracle_info(oracle: Bundle, nonfinite: list[str]) -> dict[str, Any]:
     cert = oracle.get("certificate")
     warn = None
-    if cert is None:
+    if nonfinite:
+        warn = (f"the oracle's own gradients are non-finite in {len(nonfinite)} parameter(s), first along the backward: "
+                f"{nonfinite[0]}: the step overflows even in float64")  # fmt: skip
+    elif cert is None:
         warn = "the oracle is uncertified (replayed with --no-verify): its gradient was not checked by finite differences"
     elif cert["fd_rel_residual"] > FD_WARN:
         warn = f"the oracle's finite-difference residual {cert['fd_rel_residual']:.1e} exceeds {FD_WARN:.0e}: do not trust it"
     return {
         "path": str(oracle.path), "precision": oracle.get("precision"), "loss": (oracle.get("loss") or {}).get("value"),
         "certificate": cert, "numerics": oracle.get("numerics"), "warning": warn,
-        "source_precision": (oracle.get("source") or {}).get("precision"),
+        "source_precision": (oracle.get("source") or {}).get("precision"), "nonfinite_params": nonfinite,
     }  # fmt: skip
 
 

@@ -46,13 +46,13 @@ from safetensors.torch import load_file, save_file
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
-from . import attention
 from .bundle import Bundle, tensor_sha256, value_sha256
 from .errors import UsageError
 from .loss import chunked_head
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .modules import select
 from .numerics import PrecisionMode
+from .replay import use_replay_attention
 from .spill import ActivationStore
 
 JOURNAL = "journal.jsonl"
@@ -108,8 +108,7 @@ class StreamEngine:
         self.cap, self.recipe, self.mode, self.compute = cap, recipe, mode, compute
         self.work, self.member, self.progress = work, member, progress
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
-        attention.register()
-        attention.use(self.model)
+        use_replay_attention(self.model, mode.round_to)
         self.weights = Weights(cap, compute)
         names = [n for n, _ in self.model.named_modules()]
         rx = recipe.stream_units()

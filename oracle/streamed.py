@@ -2,8 +2,8 @@
 
 The budget is split once, before the step: what the process holds anyway (its resident set after
 the model skeleton and the resident parameters), the largest unit twice (its float64 weights and
-their gradients during its backward), and a working set for one unit's recomputation (12 times the
-largest boundary tensor the unit receives: attention blocks, MLP intermediates); the rest holds
+their gradients during its backward), and a working set for one unit's recomputation (6 times the
+tokens it sees times the widest hidden size: MLP intermediates and their gradients); the rest holds
 module-boundary activations in memory, the oldest spilled to disk past it. A budget below the
 fixed part is refused with the size that would do (exit 2).
 """
@@ -25,7 +25,9 @@ from .errors import RecipeError, UsageError
 from .numerics import PrecisionMode
 from .stream import StreamEngine, largest_unit_bytes, max_rss_bytes, rss_bytes, tame_malloc, work_dir
 
-WORKING_SET_FACTOR = 12  # a unit's recompute holds ~this many copies of its input (q, k, v, MLP x3, grads)
+WORKING_SET_FACTOR = (
+    6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
+)
 
 
 def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
@@ -73,6 +75,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     work, resumed = work_dir(
         out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
     )
+    resumed = resumed and any(f.stat().st_size for f in work.glob("*/journal.jsonl"))  # something was done before
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}

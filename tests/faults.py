@@ -60,3 +60,75 @@ def lowp_norm_backward(layer: int, dtype=torch.bfloat16):
         norm.register_forward_hook(hook)
 
     return instrument
+
+
+class _NanInBackward(torch.autograd.Function):
+    """Identity forward; the backward puts a NaN into the first element of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+
+def nan_in_backward(path: str):
+    """Module ``path``'s backward sends a NaN back (its forward is untouched)."""
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_hook(lambda m, a, out: _NanInBackward.apply(out))
+
+    return instrument
+
+
+def nan_in_forward(path: str):
+    """Module ``path`` returns one NaN in its output."""
+
+    def hook(m, a, out):
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_hook(hook)
+
+    return instrument
+
+
+def bf16_attention(layer: int):
+    """Decoder layer ``layer``'s attention kernel runs in bf16 (q, k, v and its output rounded):
+    an op class run in the wrong precision, forward and backward."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Low(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = (a.to(torch.bfloat16) for a in args[:3])
+                return func(q, k, v, *args[3:], **kwargs).to(args[0].dtype)
+            return func(*args, **kwargs)
+
+    def instrument(model):
+        attn = model.model.language_model.layers[layer].self_attn
+        mode = Low()
+        attn.register_forward_pre_hook(lambda m, a: (mode.__enter__(), None)[1])
+        attn.register_forward_hook(lambda m, a, out: mode.__exit__(None, None, None))
+
+    return instrument
+
+
+def bf16_activation(layer: int):
+    """Decoder layer ``layer``'s MLP activation runs in bf16."""
+
+    def instrument(model):
+        act = model.model.language_model.layers[layer].mlp.act_fn
+        act.register_forward_hook(
+            lambda m, a, out: m(a[0].to(torch.bfloat16)).to(a[0].dtype) if a[0].dtype != torch.bfloat16 else out
+        )
+
+    return instrument

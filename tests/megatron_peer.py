@@ -1,8 +1,10 @@
 """Real megatron-core 0.12.1 on CPU over gloo: a Qwen3-style GPTModel under Megatron's own DDP,
 one step captured with oracle.megatron.capture_rank before and after finalize_model_grads.
 
-The four CPU shims megatron-core needs live here, in test code, never in the library.
-Run as ``python tests/megatron_peer.py OUT TP SP`` (spawns TP processes) or through run_peer().
+The CPU shims megatron-core needs live here, in test code, never in the library.
+Run as ``python tests/megatron_peer.py OUT TP SP`` (spawns TP processes) or through run_peer(),
+whose options add pipeline stages (PP > 1 runs Megatron's own 1F1B schedule, p2p over gloo),
+DP ranks (each with its own micro-batch), the loss convention and a padded vocabulary.
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-# A tiny Qwen3: 2 layers, GQA 4 query / 2 KV heads of 16, SwiGLU 128, q/k RMSNorm, RoPE.
-CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "seq_len": 16}  # fmt: skip
+# A tiny Qwen3: 2 layers, GQA 16 query / 4 KV heads of 8 (head_dim != hidden / heads), SwiGLU 128,
+# q/k RMSNorm, RoPE.
+CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
+       "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "seq_len": 16}  # fmt: skip
 SEED = 1234
+PACKED = [0, 5, 11, CFG["seq_len"]]  # sample boundaries of the packed run
 
 
-def batch() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
+def batch(vocab: int = CFG["vocab_size"], seed: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     s = CFG["seq_len"]
-    tokens = torch.randint(0, CFG["vocab_size"], (1, s), generator=g)
+    tokens = torch.randint(0, vocab, (1, s), generator=g)
     labels = torch.roll(tokens, -1, dims=1)  # ms-swift / Megatron: label t is token t+1
     loss_mask = torch.ones(1, s)
-    loss_mask[0, :3] = 0  # a prompt: no loss
+    loss_mask[0, : 3 + seed % 3] = 0  # a prompt: no loss (its length differs per DP rank)
     loss_mask[0, -1] = 0  # the rolled-around last label
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": torch.arange(s).unsqueeze(0)}
 
@@ -57,7 +61,16 @@ def _msprobe(out: str | None, summary: bool = False):
     return PrecisionDebugger(config_path=path)
 
 
-def _worker(rank: int, world: int, out: str, sp: bool, port: int, msprobe_dir: str | None = None):
+def _zero_padded_rows(model, vocab: int, padded: int, tp_rank: int):
+    """Padded vocabulary rows as ms-swift's converter fills them: zeros (rank r holds rows [r Vp/TP, ...))."""
+    for name, p in model.named_parameters():
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            start = tp_rank * p.shape[0]
+            with torch.no_grad():
+                p[max(vocab - start, 0) :] = 0
+
+
+def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir: str | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -70,17 +83,22 @@ def _worker(rank: int, world: int, out: str, sp: bool, port: int, msprobe_dir: s
     from megatron.core.transformer import TransformerConfig
 
     from oracle.megatron.hook import capture_rank
+    from oracle.megatron.layout import padded_vocab
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp, sp, pp, per_token = opts["tp"], opts["sp"], opts["pp"], opts["per_token"]
+    vocab = opts["vocab"]
+    padded = padded_vocab(vocab, tp, opts["divisible_by"])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(SEED)
     config = TransformerConfig(
         num_layers=CFG["num_hidden_layers"], hidden_size=CFG["hidden_size"], num_attention_heads=CFG["num_attention_heads"],
         num_query_groups=CFG["num_key_value_heads"], kv_channels=CFG["head_dim"], ffn_hidden_size=CFG["intermediate_size"],
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         layernorm_epsilon=CFG["rms_norm_eps"], qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=world, sequence_parallel=sp, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32, batch_p2p_comm=False, use_cpu_initialization=True,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=True,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=per_token,
         params_dtype=torch.float32, init_method_std=0.02,
     )  # fmt: skip
     # 4. without apex the local spec's norm refuses sequence parallel: build each norm with SP
@@ -100,34 +118,76 @@ def _worker(rank: int, world: int, out: str, sp: bool, port: int, msprobe_dir: s
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = norm_without_sp
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
-                     vocab_size=CFG["vocab_size"], max_sequence_length=CFG["seq_len"], position_embedding_type="rope",
-                     rotary_base=int(CFG["rope_theta"]), share_embeddings_and_output_weights=False)  # fmt: skip
+                     vocab_size=padded, max_sequence_length=CFG["seq_len"], position_embedding_type="rope",
+                     rotary_base=int(CFG["rope_theta"]), share_embeddings_and_output_weights=False,
+                     pre_process=first, post_process=last)  # fmt: skip
+    _zero_padded_rows(model, vocab, padded, parallel_state.get_tensor_model_parallel_rank())
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                   use_distributed_optimizer=False), model)  # fmt: skip
     ddp.zero_grad_buffer()
-    b = batch()
+    b = batch(vocab, seed=7 + parallel_state.get_data_parallel_rank())
     s = b["tokens"].shape[1]
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # 2. explicit causal mask (True = masked)
-    dbg = _msprobe(msprobe_dir)
-    if dbg is not None:
-        dbg.start(model=ddp.module)
-    losses = ddp(b["tokens"], b["position_ids"], mask, labels=b["labels"])  # (1, s) token losses
-    loss = (losses.float() * b["loss_mask"]).sum()
+    if opts.get("packed"):  # samples [0, 5), [5, 11), [11, s) packed in one row: the mask reset per sample
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool)
+        for a, e in zip(PACKED[:-1], PACKED[1:]):
+            mask[..., a:e, a:e] = torch.ones(e - a, e - a, dtype=torch.bool).triu(1)
+        b["attention_mask"] = mask
     n_tokens = int(b["loss_mask"].sum())
-    loss.backward()
-    if dbg is not None:
-        dbg.stop()
-        dbg.step()
-    capture_rank(ddp, os.path.join(out, "pre"), stage="pre-finalize", batch=b, loss=loss, num_tokens=n_tokens)
-    finalize_model_grads([ddp], num_tokens=torch.tensor(n_tokens, dtype=torch.int))
-    capture_rank(ddp, os.path.join(out, "post"), stage="post-finalize", batch=b, loss=loss, num_tokens=n_tokens)
+    seen: dict[str, float] = {}
+    if pp == 1:
+        dbg = _msprobe(msprobe_dir)
+        if dbg is not None:
+            dbg.start(model=ddp.module)
+        losses = ddp(b["tokens"], b["position_ids"], mask, labels=b["labels"])  # (1, s) token losses
+        loss = (losses.float() * b["loss_mask"]).sum()
+        loss = loss if per_token else loss / n_tokens
+        loss.backward()
+        seen["loss"] = float(loss.detach())
+        if dbg is not None:
+            dbg.stop()
+            dbg.step()
+    else:  # Megatron's own pipeline schedule (1F1B), one micro-batch, p2p over gloo
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        torch.Tensor.cuda = lambda self, *a, **k: self  # 5. the schedule moves its token count to cuda
+
+        def loss_func(output):
+            total = (output.float() * b["loss_mask"]).sum()
+            seen["loss"] = float(total.detach()) / (1 if per_token else n_tokens)
+            return total, torch.tensor(n_tokens, dtype=torch.int), {}  # divided by the count when not per-token
+
+        def step(data_iterator, m):
+            d = next(data_iterator)
+            return m(d["tokens"], d["position_ids"], mask, labels=d["labels"]), loss_func
+
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([b]), model=[ddp], num_microbatches=1,
+                                    seq_length=s, micro_batch_size=1, forward_only=False)  # fmt: skip
+    loss = seen.get("loss")
+    kw = {
+        "batch": b,
+        "loss": loss,
+        "num_tokens": n_tokens,
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": opts["divisible_by"],
+    }
+    capture_rank(ddp, os.path.join(out, "pre"), stage="pre-finalize", **kw)
+    finalize_model_grads([ddp], num_tokens=torch.tensor(n_tokens, dtype=torch.int) if per_token else None)
+    capture_rank(ddp, os.path.join(out, "post"), stage="post-finalize", **kw)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None) -> str:
-    mp.spawn(_worker, args=(tp, out, sp, port, msprobe_dir), nprocs=tp, join=True)
+def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
+             per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False) -> str:  # fmt: skip
+    """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
+    vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
+    in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD)."""
+    opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
+            "packed": packed}  # fmt: skip
+    mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 
 

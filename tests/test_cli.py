@@ -21,7 +21,7 @@ def test_capture_replay_score_through_the_cli(tmp_path, band):
     assert "captured qwen3-vl (embedded:tiny-qwen3-vl) on cpu in fp32" in r.output
     r = _ok(["replay", tmp_path / "fp32", "--dtype", "fp64", "--out", tmp_path / "oracle"])
     assert "certificate: finite-difference residual" in r.output
-    r = _ok(["score", tmp_path / "oracle", tmp_path / "amp", tmp_path / "fp32", "--band", band("amp-bf16"),
+    r = _ok(["score", tmp_path / "oracle", tmp_path / "amp", tmp_path / "fp32", "--band", band("amp-bf16"), "--band", band("fp32"),
              "--json", tmp_path / "s.json", "--report", tmp_path / "rep", "--name", "A", "--name", "B"])  # fmt: skip
     assert "verdict:" in r.output and "A (amp-bf16): within noise" in r.output and "B (fp32)" in r.output
     s = json.loads((tmp_path / "s.json").read_text())

@@ -6,7 +6,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from oracle.bundle import Bundle
-from oracle.local import replay_local, score_local
+from oracle.local import replay_local
+from oracle.score_local import score_local
 from oracle.steps import capture_recipe_step
 
 

@@ -5,13 +5,13 @@ import multiprocessing
 
 import pytest
 import torch
-from megatron_peer import run_peer
+from megatron_peer import CFG, run_peer
 from test_megatron import HF
 from typer.testing import CliRunner
 
 from cli import app
 from oracle.bundle import Bundle
-from oracle.errors import BundleError
+from oracle.errors import BundleError, NotReplayable
 from oracle.megatron.merge import merge_ranks
 from oracle.msprobe import import_dump
 from oracle.replay import replay
@@ -79,6 +79,9 @@ def test_megatron_tp2_dump_is_merged_and_scored(tmp_path):
     oracle = replay(merge_ranks([tmp_path / "run" / "pre"], tmp_path / "hook", recipe="qwen3", hf_config=HF), tmp_path / "oracle")
     c = score(oracle, [merged])["captures"][0]
     assert len(c["params"]) == 25 and max(p["rel_l2"] for p in c["params"]) <= 1e-5
+    assert [Bundle(r).get("megatron")["coords"]["tp_rank"] for r in ranks] == [0, 1]
+    with pytest.raises(NotReplayable, match="holds no inputs"):  # an msprobe merge can only be scored
+        replay(merged, tmp_path / "no")
 
 
 def test_dump_json_cannot_point_outside_its_folder(tmp_path):
@@ -91,3 +94,21 @@ def test_dump_json_cannot_point_outside_its_folder(tmp_path):
     dj.write_text(json.dumps(d))
     with pytest.raises(BundleError, match="outside dump_tensor_data"):
         import_dump(dump, tmp_path / "ms")
+
+
+def test_megatron_dp2_dump_ranks_take_their_dp_coordinates(tmp_path):
+    """A dump names only its global rank: with --megatron-dp 2 rank 1 is DP rank 1, and its merge is DP rank 1's step."""
+    run_peer(str(tmp_path / "run"), 1, False, port=29660, msprobe_dir=str(tmp_path / "dump"), dp=2)
+    ranks = [import_dump(tmp_path / "dump", tmp_path / f"r{r}", rank=r, megatron_tp=1, megatron_dp=2, megatron_rank=r)
+             for r in range(2)]  # fmt: skip
+    assert [Bundle(r).get("megatron")["coords"]["dp_rank"] for r in ranks] == [0, 1]
+    hf = {**HF, "vocab_size": CFG["vocab_size"]}
+    for dp in (0, 1):
+        merged = merge_ranks(ranks, tmp_path / f"m{dp}", recipe="qwen3", hf_config=hf, dp_rank=dp)
+        hook = merge_ranks([tmp_path / "run" / "pre"], tmp_path / f"hook{dp}", recipe="qwen3", dp_rank=dp)
+        c = score(replay(hook, tmp_path / f"oracle{dp}"), [merged])["captures"][0]
+        assert max(p["rel_l2"] for p in c["params"]) <= 1e-5
+    with pytest.raises(
+        BundleError, match=r"(weights|grads)/.*linear_qkv.weight \(qkv.*does not hold 16 query heads and 8 query groups"
+    ):
+        merge_ranks(ranks, tmp_path / "bad", recipe="qwen3", hf_config={**hf, "num_key_value_heads": 8})

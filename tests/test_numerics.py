@@ -59,3 +59,23 @@ def test_jitter_members_differ_but_keep_exact_values():
     rel = ((outs[1][0] - x).abs() / x.abs()).max()
     assert rel <= 0.75 * 2**-7 + 1e-9  # each rounding stays below 3/4 ulp of bf16
     assert all(torch.equal(o[1], ints) for o in outs)  # integers are never moved
+
+
+def test_amp_mode_propagates_low_precision_from_inputs_held_in_bf16():
+    """Fed bf16-held inputs, an op outside autocast's lists runs in bf16 (rounded, held low) on CPU;
+    CUDA's float32 list keeps exp in fp32; a bf16 and an fp32 operand promote to fp32."""
+    a = torch.randn(64) + 0.1
+    low = a.to(torch.bfloat16).float()
+    rounded = low.exp().to(torch.bfloat16).float()
+    for device, expect_low in (("cpu", True), ("cuda", False)):
+        mode = PrecisionMode(torch.float32, torch.bfloat16, "amp", device_type=device)
+        x = low.clone()
+        with mode:
+            mode.mark_low(x)
+            assert x.dtype == torch.bfloat16 and x.float().dtype == torch.float32  # as model code sees it
+            y = x.exp()
+            mixed = x * a
+        assert mode._is_low(y) is expect_low
+        assert torch.equal(y, rounded if expect_low else low.exp())
+        assert not mode._is_low(mixed) and torch.equal(mixed, low * a)
+    assert not torch.equal(rounded, low.exp())  # the rounding is visible at this size

@@ -1,12 +1,19 @@
-"""The oracle seen from one Megatron rank: what TP rank r held at a given stage, in float64.
+"""The oracle seen from one Megatron rank: what TP rank r of pipeline stage s held at a given
+stage of the step, in float64.
 
-    view = rank_view("truth.bundle", tp_size=8, rank=0, sequence_parallel=True, stage="pre-finalize")
+    view = rank_view("truth.bundle", rank=0)      # TP, SP, stage, loss convention: as recorded
     view["module.module.language_model.decoder.layers.0.mlp.linear_fc1.weight"]   # rank 0's shard
 
-Sharded tensors: rank r's rows/columns of the oracle's full gradient (layout.shard_of). Replicated
-gradients that are partial sums before finalize are recomputed from per-token contributions: the
-oracle's step is replayed in float64 with each norm module's input and incoming gradient kept;
-then for rank r
+The layout (TP size, sequence parallel, pipeline stages, stage, loss convention, padded
+vocabulary) is the one the merged capture recorded; arguments override it, and each override
+that disagrees with the record is reported in ``warnings`` (a view at another TP is another
+step: the vocabulary pads differently and the partial sums cover other chunks).
+
+Sharded tensors: rank r's rows/columns of the oracle's full gradient (layout.shard_of; the
+vocabulary is the run's padded one, rank r holding rows [r Vp/TP, (r+1) Vp/TP)). Replicated
+gradients that are partial sums before finalize (layout.partial_sum) are recomputed from
+per-token contributions: the oracle's step is replayed in float64 with each norm module's input
+and incoming gradient kept (hooks removed when the replay returns); then for rank r
 
     partial_r = d/dw [ sum over r's part of <g_out, norm_w(x)> ]   via autograd with g_out masked
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,28 +39,31 @@ from ..errors import BundleError
 from ..metrics import rel_l2
 from ..numerics import PrecisionMode
 from ..replay import run_step
-from .layout import HEAD_NORM_RX, Heads, shard_of
+from .layout import Heads, padded_vocab, shard_of
+from .names import strip_wrappers
 
 _SUFFIX = ".weight"
+STAGES = ("pre-finalize", "post-finalize")
 
 
-def _norm_partials(
-    oracle: Bundle, modules: dict[str, str], *, tp: int, heads: Heads, seq_pad: int | None
-) -> dict[str, list[torch.Tensor]]:
-    """module name -> [partial gradient of its weight for rank r, r < tp], mode 'tokens' or 'q'/'k' heads."""
+def _norm_partials(oracle: Bundle, modules: dict[str, str], *, tp: int, seq_pad: int | None) -> dict[str, list[torch.Tensor]]:
+    """module name -> [partial gradient of its weight for rank r, r < tp]; mode 'tokens' or 'heads'."""
     kept: dict[str, dict] = {}
+    handles: list[Any] = []
+
+    def fwd(m, args, out, mod_name):
+        kept[mod_name] = {"x": args[0].detach(), "module": m}
+        out.register_hook(lambda g: kept[mod_name].__setitem__("g", g.detach()))  # dies with the graph
 
     def instrument(model):
         for mod_name in modules:
-            mod = model.get_submodule(mod_name)
+            handles.append(model.get_submodule(mod_name).register_forward_hook(lambda m, a, o, n=mod_name: fwd(m, a, o, n)))
 
-            def fwd(m, args, out, mod_name=mod_name):
-                kept[mod_name] = {"x": args[0].detach(), "module": m}
-                out.register_hook(lambda g, mod_name=mod_name: kept[mod_name].__setitem__("g", g.detach()))
-
-            mod.register_forward_hook(fwd)
-
-    run_step(oracle, "fp64", instrument=instrument)
+    try:
+        run_step(oracle, "fp64", instrument=instrument)
+    finally:
+        for h in handles:
+            h.remove()
     out: dict[str, list[torch.Tensor]] = {}
     for mod_name, how in modules.items():
         k = kept[mod_name]
@@ -75,40 +86,83 @@ def _norm_partials(
     return out
 
 
-def rank_view(
-    oracle_path: str | Path, *, tp_size: int, rank: int, sequence_parallel: bool, stage: str,
-    calculate_per_token_loss: bool = True, seq_len_padded: int | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
-    oracle = Bundle(oracle_path)
+def recorded_layout(oracle: Bundle, **flags: Any) -> tuple[dict[str, Any], list[str]]:
+    """The layout the oracle's merged capture recorded, with ``flags`` (not None) overriding it;
+    -> (layout, a warning per override that disagrees with the record)."""
     meg = oracle.get("megatron")
     if oracle.kind != "oracle" or not meg:
         raise BundleError(f"{oracle.path} is not an oracle of a merged Megatron capture (oracle merge, then oracle replay)")
-    if not 0 <= rank < tp_size:
-        raise BundleError(f"rank {rank} is outside TP size {tp_size}")
+    rec = {"tp_size": meg.get("tp_size"), "sequence_parallel": meg.get("sequence_parallel"), "stage": meg.get("stage"),
+           "calculate_per_token_loss": meg.get("calculate_per_token_loss"), "pp_size": meg.get("pp_size", 1)}  # fmt: skip
+    out, warnings = dict(rec), []
+    for k, v in flags.items():
+        if v is None:
+            continue
+        if rec.get(k) is not None and rec[k] != v:
+            warnings.append(
+                f"{k} = {v!r} overrides the recorded {rec[k]!r}: the view is of another layout than the step that ran"
+            )
+        out[k] = v
+    if out["tp_size"] is None:
+        raise BundleError(f"{oracle.path} records no TP size; pass --tp")
+    if out["stage"] not in STAGES:
+        raise BundleError(f"stage {out['stage']!r}: expected one of {', '.join(STAGES)}")
+    if out["calculate_per_token_loss"] is None:
+        out["calculate_per_token_loss"] = True
+    return out, warnings
+
+
+def rank_view(
+    oracle_path: str | Path, *, rank: int = 0, pp_rank: int = 0, tp_size: int | None = None,
+    sequence_parallel: bool | None = None, stage: str | None = None, calculate_per_token_loss: bool | None = None,
+    seq_len_padded: int | None = None, warnings: list[str] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """mcore name (as that rank names it) -> what that rank held, float64. Layout as recorded unless given."""
+    oracle = Bundle(oracle_path)
+    lay, notes = recorded_layout(oracle, tp_size=tp_size, sequence_parallel=sequence_parallel, stage=stage,
+                                 calculate_per_token_loss=calculate_per_token_loss)  # fmt: skip
+    if warnings is not None:
+        warnings += notes
+    meg = oracle.get("megatron")
+    tp, sp, stage_ = lay["tp_size"], bool(lay["sequence_parallel"]), lay["stage"]
+    if not 0 <= rank < tp:
+        raise BundleError(f"rank {rank} is outside TP size {tp}")
+    if not 0 <= pp_rank < lay["pp_size"]:
+        raise BundleError(f"pipeline stage {pp_rank} is outside PP size {lay['pp_size']}")
     heads = Heads.from_config(meg["config"])
+    heads.check(tp)
+    vocab = meg.get("vocab") or {}
+    vocab_rows = None
+    if tp != meg.get("tp_size") and vocab.get("true"):
+        vocab_rows = padded_vocab(vocab["true"], tp, vocab.get("divisible_by") or 128)
     loss = oracle.get("loss") or {}
     n_tok = loss.get("num_tokens") or meg.get("num_tokens")
-    want = "sum" if calculate_per_token_loss and stage == "pre-finalize" else "mean"
+    want = "sum" if lay["calculate_per_token_loss"] and stage_ == "pre-finalize" else "mean"
     scale = 1.0
     if loss.get("reduction") != want:
+        if not n_tok:
+            raise BundleError(f"{oracle.path} records no token count: cannot turn its {loss.get('reduction')} loss into a {want}")
         scale = float(n_tok) if want == "sum" else 1.0 / float(n_tok)
     grads = {n: oracle.load("grads", n) for n in oracle.names("grads")}
+    entries = {m.get("local", g): m for g, m in meg["mapping"].items() if m.get("pp_rank", 0) == pp_rank}
     partial_modules: dict[str, str] = {}
-    for mname, m in meg["mapping"].items():
-        hf = m["hf"][0]
-        if stage == "pre-finalize" and m["kind"] == "norm" and tp_size > 1:
-            if HEAD_NORM_RX.search(mname):
-                partial_modules[hf.removesuffix(_SUFFIX)] = "heads"
-            elif sequence_parallel:
-                partial_modules[hf.removesuffix(_SUFFIX)] = "tokens"
-    partials = _norm_partials(oracle, partial_modules, tp=tp_size, heads=heads, seq_pad=seq_len_padded) if partial_modules else {}
+    if stage_ == "pre-finalize" and tp > 1:
+        for m in entries.values():
+            how = m.get("partial_before_finalize")
+            if m["kind"] == "norm" and how and (how == "heads" or sp):
+                partial_modules[m["hf"][0].removesuffix(_SUFFIX)] = how
+    partials = _norm_partials(oracle, partial_modules, tp=tp, seq_pad=seq_len_padded) if partial_modules else {}
     view: dict[str, torch.Tensor] = {}
-    for mname, m in meg["mapping"].items():
+    for mname, m in entries.items():
         hf = m["hf"]
         if hf[0].removesuffix(_SUFFIX) in partials:
             t = partials[hf[0].removesuffix(_SUFFIX)][rank]
         elif all(n in grads for n in hf):
-            t = shard_of(m["kind"], [grads[n] for n in hf], tp=tp_size, rank=rank, heads=heads, dim=m.get("dim", 0))
+            try:
+                t = shard_of(m["kind"], [grads[n] for n in hf], tp=tp, rank=rank, heads=heads, dim=m.get("dim", 0),
+                             vocab_rows=vocab_rows)  # fmt: skip
+            except (BundleError, RuntimeError) as e:
+                raise BundleError(f"{mname} (from {', '.join(hf)}): {e}") from None
         else:
             continue
         view[mname] = t * scale
@@ -122,6 +176,9 @@ def compare_rank(view: dict[str, torch.Tensor], rank_bundle: str | Path) -> dict
     for n in b.names("grads"):
         if n in view:
             g, t = b.load("grads", n).double(), view[n]
+            if g.shape != t.shape:
+                raise BundleError(f"{b.path}: grads/{n} has shape {tuple(g.shape)} but the view of that rank has {tuple(t.shape)}; "
+                                  "the capture is of another layout (TP size, stage or padded vocabulary)")  # fmt: skip
             ok = torch.isfinite(t)
             out[n] = rel_l2(g[ok], t[ok])
     return out
@@ -129,8 +186,6 @@ def compare_rank(view: dict[str, torch.Tensor], rank_bundle: str | Path) -> dict
 
 def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
     """Per parameter: the truth's norm on this rank, each log's norm, and which log is closer."""
-    from .names import strip_wrappers
-
     truth = {strip_wrappers(n): float(t[torch.isfinite(t)].norm()) for n, t in view.items()}
     lines = [f"  {'parameter':<64} {'oracle':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]
     wins = {lab: 0 for lab in labels}
@@ -148,4 +203,4 @@ def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["rank_view", "compare_rank", "compare_logs"]
+__all__ = ["rank_view", "recorded_layout", "compare_rank", "compare_logs"]
