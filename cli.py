@@ -150,6 +150,7 @@ def capture(
 @app.command()
 @user_errors
 def replay(
+    ctx: typer.Context,
     capture: Annotated[Path, typer.Argument(help="Capture bundle to replay.")],
     out: Out,
     dtype: Annotated[ReplayDtype, typer.Option(help="fp64: the oracle; others: an emulated run (noise band).")] = ReplayDtype.fp64,
@@ -163,9 +164,14 @@ def replay(
     max_memory: Annotated[str | None, typer.Option(help="Stream the replay within this memory (16G, 512M): weights per unit from the capture, activations spilled to disk past it; resumable.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores). Resume and bitwise repeatability need the same count.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit.")] = False,
+    nproc: Annotated[int, typer.Option(min=1, help="Spread over N local processes (ensemble members, --local modules); many machines: torchrun -m oracle replay.")] = 1,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/launch.py); rank 0 prints the result
+        from oracle.launch import argv_of, launch
+
+        raise typer.Exit(code=launch(nproc, argv_of(ctx), threads))
     import os
 
     import torch
@@ -186,6 +192,7 @@ def replay(
 
         typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
         return
+    from oracle import distributed
 
     if local:
         from oracle.local import replay_local
@@ -193,6 +200,8 @@ def replay(
         if dtype.value != "fp64":
             raise UsageError("--local replays each module in fp64 (and emulates the capture's precision itself); drop --dtype")
         replay_local(capture, out, modules=modules, members=members, workers=workers, overwrite=overwrite)
+        if not distributed.is_main():
+            return
         typer.echo(f"replayed {len(Bundle(out).get('local'))} modules locally from {capture} -> {out}")
         return
     if modules is not None or workers != 1:
@@ -201,6 +210,8 @@ def replay(
     mode = "auto" if verify is None else ("on" if verify else "off")
     do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
               overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget)  # fmt: skip
+    if not distributed.is_main():
+        return
     b = Bundle(out)
     msg = f"replayed {capture} in {dtype.value}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
     if b.get("streaming"):

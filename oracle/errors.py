@@ -68,6 +68,12 @@ class NotReplayable(OracleError):
     exit_code = 10
 
 
+class RankError(OracleError):
+    """A rank of a distributed replay died or stopped answering; the run was stopped (resumable)."""
+
+    exit_code = 11
+
+
 EXIT_CODES = {
     0: "success (scoring finished; disagreement is reported, not an error)",
     1: "internal error (a bug: please report it with the last frames printed)",
@@ -80,6 +86,7 @@ EXIT_CODES = {
     LogParseError.exit_code: "a norm log could not be parsed as asked",
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
     NotReplayable.exit_code: "the bundle holds no inputs; it can only be scored against an oracle of the same step",
+    RankError.exit_code: "a rank of a distributed replay died or stopped answering (the run stopped; rerun to resume)",
 }
 
 

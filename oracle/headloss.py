@@ -26,6 +26,11 @@ summed in another order (the log-sum-exp over chunks, the gradient sums over chu
 and gradients equal it to a few ulp of the dtype, not bitwise; measured in float64 ~1e-16
 relative (tests/test_headloss.py asserts <= 1e-13).
 
+Tensor parallel (oracle/tensor_parallel.py): a head weight split by vocabulary rows over the ranks
+(a DTensor) is computed shard by shard, each rank its own rows; the per-row running max and sum
+are combined over the ranks (all-reduce max, then the rescaled sums) exactly as chunks are, the
+target logit comes from the rank holding it, and the gradient of hidden is summed over the ranks.
+
 Memory: O(rows x chunk) for one logit block (default 4096 x 4096: 128 MiB in float64) plus
 O(N) row statistics; the backward's gradients are the size of hidden and weight.
 """
@@ -33,6 +38,7 @@ O(N) row statistics; the backward's gradients are the size of hidden and weight.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .errors import RecipeError
 from .loss import IGNORE
@@ -57,8 +63,10 @@ def _spans(n: int, step: int):
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weight, chunk, row_chunk):
-        # hidden (N', H), labels (N',) and token_weight (N',) already restricted to rows with a label
+    def forward(ctx, hidden, weight, labels, token_weight, chunk, row_chunk, group=None):
+        # hidden (N', H), labels (N',) and token_weight (N',) already restricted to rows with a label;
+        # with a ``group`` (tensor parallel) weight is this rank's vocabulary shard and labels are
+        # relative to its first id (labels of other shards fall outside [0, V) and match no chunk)
         n, V = hidden.shape[0], weight.shape[0]
         acc = torch.float32 if hidden.dtype in _LOW else hidden.dtype
         m = torch.full((n,), -torch.inf, dtype=acc, device=hidden.device)
@@ -75,18 +83,25 @@ class _HeadLoss(torch.autograd.Function):
                 inside = (lab >= v0) & (lab < v1)  # (r,)
                 rows = inside.nonzero().reshape(-1)
                 target[r0 + rows] = z[rows, lab[rows] - v0]
+        if group is not None:  # the shards' running (max, sum) combined exactly as chunks are
+            m_all = m.clone()
+            dist.all_reduce(m_all, dist.ReduceOp.MAX, group)
+            s = s * torch.exp(m - m_all)
+            dist.all_reduce(s, dist.ReduceOp.SUM, group)
+            dist.all_reduce(target, dist.ReduceOp.SUM, group)  # one shard holds each row's target, the others 0
+            m = m_all
         lse = m + torch.log(s)  # (N',)
         per_row = lse - target
         loss = (per_row * token_weight).sum() if token_weight is not None else per_row.sum()
         ctx.save_for_backward(hidden, weight, labels, lse, token_weight)
-        ctx.args = (chunk, row_chunk)
+        ctx.args = (chunk, row_chunk, group)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         hidden, weight, labels, lse, token_weight = ctx.saved_tensors
-        chunk, row_chunk = ctx.args
+        chunk, row_chunk, group = ctx.args
         n, V = hidden.shape[0], weight.shape[0]
         scale = g * token_weight if token_weight is not None else g.expand(n)  # (N',) dL/dloss_row
         gh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -104,7 +119,9 @@ class _HeadLoss(torch.autograd.Function):
                     gh[r0:r1] += dz @ w
                 if gw is not None:
                     gw[v0:v1] += dz.T @ h
-        return gh, gw, None, None, None, None
+        if gh is not None and group is not None:
+            dist.all_reduce(gh, dist.ReduceOp.SUM, group)  # hidden's gradient: the sum over the shards
+        return gh, gw, None, None, None, None, None
 
 
 def head_loss(
@@ -139,6 +156,7 @@ def head_loss(
     if chunk < 1 or row_chunk < 1:
         raise HeadLossInputError(f"chunk sizes must be positive, got chunk={chunk}, row_chunk={row_chunk}")
     V = weight.shape[0]
+    weight, offset, group = _vocabulary_shard(weight)
     keep = labels != ignore_index
     bad = labels[keep & ((labels < 0) | (labels >= V))]
     if bad.numel():
@@ -148,10 +166,25 @@ def head_loss(
         )
     rows = keep.nonzero().reshape(-1)
     tw = None if token_weight is None else token_weight[rows].to(torch.float32 if hidden.dtype in _LOW else hidden.dtype)
-    total = _HeadLoss.apply(hidden[rows], weight, labels[rows], tw, int(chunk), int(row_chunk))
+    total = _HeadLoss.apply(hidden[rows], weight, labels[rows] - offset, tw, int(chunk), int(row_chunk), group)
     if reduction == "mean":
         total = total / max(int(rows.numel()), 1)
     return total
+
+
+def _vocabulary_shard(weight: torch.Tensor):
+    """A head weight split by vocabulary rows over a tensor-parallel mesh (a DTensor placed Shard(0),
+    oracle/tensor_parallel.py) -> (this rank's rows, their first id, the mesh's group); else as is."""
+    if type(weight).__name__ != "DTensor":
+        return weight, 0, None
+    from torch.distributed.tensor import Shard
+
+    if tuple(weight.placements) != (Shard(0),) or weight.shape[0] % weight.device_mesh.size():
+        raise HeadLossInputError(
+            f"a tensor-parallel head weight must be split evenly by vocabulary rows, got {weight.placements}"
+        )
+    local = weight.to_local()  # differentiable: its gradient comes back as this rank's shard
+    return local, weight.device_mesh.get_local_rank() * local.shape[0], weight.device_mesh.get_group()
 
 
 def causal_lm_head_loss(

@@ -37,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 from tqdm import tqdm
 
+from . import distributed
 from .bundle import Bundle, BundleWriter, check_output
 from .errors import BundleError, RecipeError
 from .materialize import Weights, evict, materialize, skeleton
@@ -256,12 +257,19 @@ def replay_local(
     emulate = precision if precision in CAPTURE_NAMES else "fp32"
     path = str(cap.path)
     bar = dict(total=len(names), desc="local replay", unit="module", disable=not progress)
-    if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-            it = ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names))
-            rows = list(tqdm(it, **bar))
-    else:
-        rows = [replay_module(path, n, emulate, members) for n in tqdm(names, **bar)]
+
+    def compute(names: list[str]) -> list[dict[str, Any]]:
+        if workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+                it = ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names))
+                return list(tqdm(it, **{**bar, "total": len(names)}))
+        return [replay_module(path, n, emulate, members) for n in tqdm(names, **{**bar, "total": len(names)})]
+
+    distributed.init()  # torchrun / --nproc: module k on rank k % ranks (oracle/distributed.py)
+    rows = distributed.spread("local", names, compute)
+    if rows is None:  # a rank > 0: its rows went to rank 0
+        distributed.finish()
+        return Path(out)
     inh = _inherited(cap, names)
     for r in rows:
         r["inherited"] = inh.get(r["module"])
@@ -270,4 +278,5 @@ def replay_local(
             source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,
             fingerprint=cap.fingerprint(), recipe=cap.get("recipe"), local=rows,
         )  # fmt: skip
+    distributed.finish()
     return Path(out)

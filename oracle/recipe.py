@@ -35,6 +35,9 @@ class Recipe:
     embedded: tuple[str, ...] = ()
     #: mcore parameter name templates -> HF names (oracle/megatron/names.py), for Megatron captures
     megatron_names: dict[str, str] = {}
+    #: tensor-parallel plan (module path pattern -> colwise / rowwise / replicated_with_grad_allreduce)
+    #: for text models whose transformers config ships no layer plan (oracle/tensor_parallel.py)
+    tp_plan: dict[str, str] = {}
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         """Whether a local Hugging Face directory with this config.json belongs to this recipe."""

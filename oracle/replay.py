@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import attention
+from . import attention, distributed, tensor_parallel
 from . import precision as precisions
 from . import recipe as recipes
 from .bundle import Bundle, BundleWriter, check_output
@@ -121,6 +121,13 @@ def replay(
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
     if dtype == "fp64" and ensemble != 1:
         raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+    ranks = distributed.world()
+    if ranks > 1 and dtype == "fp64" and (max_memory is not None or verify == "on"):
+        raise UsageError(
+            f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory and has no certificate: "
+            "drop --max-memory and --verify, or replay with one process"
+        )
+    distributed.init()
     if max_memory is not None:
         if verify == "on":
             raise UsageError("--verify needs the whole model in memory; the streaming replay (--max-memory) has no certificate")
@@ -129,11 +136,24 @@ def replay(
         return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
                                progress=progress, base=base, t0=t0, activation_budget=activation_budget)  # fmt: skip
     if dtype == "fp64":
-        model, inputs, loss, mode = run_step(cap, dtype)
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        summed: list[str] = []  # tensor parallel (oracle/tensor_parallel.py): gradients summed over ranks
+
+        def split(model):
+            summed.extend(tensor_parallel.parallelize(model, ranks, _recipe_of(cap).tp_plan))
+
+        with distributed.collectives("the tensor-parallel step"):
+            model, inputs, loss, mode = run_step(cap, dtype, instrument=split if ranks > 1 else None)
+            if ranks > 1:
+                grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
+        if ranks > 1:
+            if not distributed.is_main():
+                distributed.finish()
+                return Path(out)
+        else:
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         n_params = sum(p.numel() for p in model.parameters())
         cert = None
-        if verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS):
+        if ranks == 1 and (verify == "on" or (verify == "auto" and n_params <= VERIFY_AUTO_MAX_PARAMS)):
             recipe = _recipe_of(cap)
             reduction = (cap.get("loss") or {}).get("reduction", "mean")
 
@@ -152,20 +172,50 @@ def replay(
                 certificate=cert,
                 seconds=round(time.perf_counter() - t0, 3),
             )
+            if ranks > 1:
+                w.manifest["tensor_parallel"] = {"ranks": ranks, "bound_rel": tensor_parallel.BOUND_REL,
+                                                 "split": sorted({n.split(".")[-1] for n in tensor_parallel.plan_of(model, _recipe_of(cap).tp_plan)}
+                                                                | ({"lm_head"} if tensor_parallel.vocabulary_split(model, ranks) else set()))}  # fmt: skip
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
             carry_inputs_and_weights(cap, w)
             w.add("grads", grads)
+        distributed.finish()
         return Path(out)
 
     compute, round_to, ops = precisions.emulation(dtype)
+    group_of = lambda k: "grads" if k == 0 else f"grads.{k}"  # noqa: E731
+    if not distributed.is_main():  # a rank > 0: its members (k % ranks == rank) go to rank 0 as files
+        with distributed.parts_dir(Path(out)) as tmp:
+            parts, files = {}, []
+            for k in range(ensemble):
+                if distributed.mine(k):
+                    model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
+                    f = tmp / f"{group_of(k)}.safetensors"
+                    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+                    parts[group_of(k)] = {"k": k, "loss": loss, "entries": distributed.save_part(grads, f)}
+                    files.append(f)
+                    del model, grads
+            distributed.send_parts("members", {"members": parts}, files)
+        distributed.finish()
+        return Path(out)
     with BundleWriter(out, "emulation", overwrite=overwrite) as w:
-        losses = []
+        by_k: dict[int, float] = {}
         for k in tqdm(range(ensemble), desc=f"emulating {dtype}", disable=not progress):
+            if not distributed.mine(k):
+                continue
             model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
-            losses.append(loss)
-            w.add("grads" if k == 0 else f"grads.{k}", {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+            by_k[k] = loss
+            w.add(group_of(k), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
             del model
+        for r in range(1, distributed.world()):  # the other ranks' members, adopted as they wrote them
+            with distributed.parts_dir(Path(out)) as tmp:
+                for group, part in distributed.recv_parts("members", r, tmp)["members"].items():
+                    w.adopt(group, tmp / f"{group}.safetensors", part["entries"], move=True)
+                    by_k[part["k"]] = part["loss"]
+        losses = [by_k[k] for k in range(ensemble)]
         w.manifest.update(base)
+        if distributed.world() > 1:
+            w.manifest["ranks"] = distributed.world()
         w.manifest.update(
             loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses},
             members=ensemble,
@@ -177,6 +227,7 @@ def replay(
             },  # fmt: skip
             seconds=round(time.perf_counter() - t0, 3),
         )
+    distributed.finish()
     return Path(out)
 
 

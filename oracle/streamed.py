@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from . import precision as precisions
 from .bundle import Bundle, BundleWriter
 from .errors import RecipeError, UsageError
@@ -33,7 +34,10 @@ def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
     from . import __version__
 
     fp = json.dumps(cap.fingerprint(), sort_keys=True)
-    return {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__}
+    head = {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__}
+    if distributed.world() > 1:  # which members a rank owns depends on the number of ranks
+        head.update(rank=distributed.rank(), ranks=distributed.world())
+    return head
 
 
 def _largest_input_bytes(cap: Bundle, compute: torch.dtype) -> int:
@@ -66,12 +70,18 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         raise RecipeError(f"recipe {recipe.name!r} declares no streaming units (stream_units); replay it without --max-memory")
     compute, round_to, ops = precisions.emulation(dtype)
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
-    work, resumed = work_dir(out, _header(cap, dtype, ensemble))
+    ranks = distributed.world()
+    # one work directory per rank (.NAME.rankR.partial): its members' journals, resumed per rank
+    work, resumed = work_dir(
+        out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
+    )
     resumed = resumed and any(f.stat().st_size for f in work.glob("*/journal.jsonl"))  # something was done before
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}
     for k, member in enumerate(members):
+        if not distributed.mine(k):
+            continue
         done = work / member / "end.json"
         if done.is_file():  # a finished member of a resumed run
             rec = json.loads(done.read_text())
@@ -81,7 +91,8 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
             continue
         mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
         build_mode = PrecisionMode(compute)
-        engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member, progress=progress)
+        engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
+                              progress=progress and distributed.is_main())  # fmt: skip
         fixed = rss_bytes() + 2 * largest_unit_bytes(engine) + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
         if budget < fixed:
             raise UsageError(
@@ -99,10 +110,30 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         losses.append(loss)
         orders.append(engine.order)
         del engine
+    if ranks > 1:
+        if not distributed.is_main():  # send each own member's end record and gradient shards to rank 0
+            for k, member in enumerate(members):
+                if distributed.mine(k):
+                    units = _journal_units(work / member)
+                    end = json.loads((work / member / "end.json").read_text())
+                    distributed.send_parts(member, {"end": end, "units": units}, [work / member / u["file"] for u in units])
+            distributed.finish()  # rank 0 has published the bundle: this rank's journals are no longer needed
+            shutil.rmtree(work, ignore_errors=True)
+            return out
+        by_member = dict(zip([m for k, m in enumerate(members) if distributed.mine(k)], zip(losses, orders)))
+        for k, member in enumerate(members):
+            if not distributed.mine(k):
+                (work / member).mkdir(exist_ok=True)
+                part = distributed.recv_parts(member, distributed.owner(k), work / member)
+                (work / member / "journal.jsonl").write_text("".join(json.dumps(u) + "\n" for u in part["units"]))
+                by_member[member] = (part["end"]["loss"], part["end"]["order"])
+        losses, orders = [by_member[m][0] for m in members], [by_member[m][1] for m in members]
     kind = "oracle" if dtype == "fp64" else "emulation"
     with BundleWriter(out, kind, overwrite=overwrite) as w:
         w.manifest.update(base)
         w.manifest["streaming"] = {"max_memory": budget, "peak_rss": max_rss_bytes(), "resumed": resumed, **stats}
+        if ranks > 1:
+            w.manifest["ranks"] = ranks
         if kind == "oracle":
             w.manifest.update(loss={**(cap.get("loss") or {}), "value": losses[0]}, backward_order=orders[0], certificate=None,
                               numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
@@ -122,6 +153,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 w.adopt(member, dst, rec["entries"], move=True)
         w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
     shutil.rmtree(work, ignore_errors=True)
+    distributed.finish()
     return out
 
 

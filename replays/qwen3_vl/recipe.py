@@ -39,6 +39,12 @@ class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = _vl_megatron_names()
+    # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder
+    # layers are Qwen3's, so Qwen3's layer plan (Qwen3Config.base_model_tp_plan) applies as it is
+    tp_plan = {f"model.language_model.layers.*.{m}": s for m, s in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+        ("self_attn.q_norm", "replicated_with_grad_allreduce"), ("self_attn.k_norm", "replicated_with_grad_allreduce"),
+        ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}  # fmt: skip
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         return hf_config.get("model_type") == "qwen3_vl"

@@ -1,0 +1,209 @@
+"""The distributed replay (2 ranks over 127.0.0.1, gloo): bitwise the single-process result, one
+ordinary bundle, a killed or hung rank named and the run resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from oracle.bundle import Bundle
+from oracle.errors import RankError
+from oracle.local import replay_local
+from oracle.replay import replay
+from oracle.steps import capture_recipe_step
+
+ROOT = Path(__file__).parent.parent
+CLI = [sys.executable, "-m", "oracle"]
+
+
+@pytest.fixture(scope="module")
+def cap(tmp_path_factory):
+    """The tiny Qwen3 (text) step in amp-bf16 with its layers' boundaries recorded (for --local)."""
+    from oracle import recipe as recipes
+
+    r = recipes.get("qwen3")
+    src = r.load("tiny-qwen3")
+    root = tmp_path_factory.mktemp("dist")
+    return capture_recipe_step(src, r.default_sample(), str(root / "cap"), precision="amp-bf16", modules="layers")
+
+
+def _one_thread(fn, *a, **kw):
+    """The single-process reference at the ranks' thread count (1): bitwise needs the same count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*a, **kw)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args, env=None, **kw):
+    return subprocess.run([*CLI, *args], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, **kw)
+
+
+def _assert_members_bitwise(a, b, ensemble):
+    ba, bb = Bundle(a), Bundle(b)
+    assert ba.member_groups() == bb.member_groups() == ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
+    for g in ba.member_groups():
+        ga, gb = ba.load_group(g), bb.load_group(g)
+        assert set(ga) == set(gb)
+        different = [n for n in ga if not torch.equal(ga[n], gb[n])]
+        assert not different, f"{g}: {len(different)} gradients differ, e.g. {different[:3]}"
+    assert ba.get("loss")["members"] == bb.get("loss")["members"]
+
+
+def test_two_ranks_spread_an_ensemble_bitwise_into_one_bundle(cap, tmp_path):
+    """--nproc 2: members 0,2 on rank 0 and 1 on rank 1; the one bundle equals the single process's bitwise."""
+    r = _run(["replay", str(cap), "--out", str(tmp_path / "d"), "--dtype", "amp-bf16", "--ensemble", "3", "--nproc", "2",
+              "--threads", "1"])  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
+    assert Bundle(tmp_path / "d").get("ranks") == 2
+    ref = _one_thread(replay, cap, tmp_path / "ref", dtype="amp-bf16", ensemble=3)
+    _assert_members_bitwise(ref, tmp_path / "d", 3)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no parts or work folders left behind
+
+
+def test_two_ranks_spread_the_local_replay_with_the_same_rows(cap, tmp_path):
+    """--local --nproc 2: modules dealt over the ranks; every row equals the single process's."""
+    r = _run(["replay", str(cap), "--out", str(tmp_path / "d"), "--local", "--nproc", "2", "--threads", "1", "--members", "1"])
+    assert r.returncode == 0, r.stderr
+    ref = _one_thread(replay_local, cap, tmp_path / "ref", members=1)
+    rows, want = Bundle(tmp_path / "d").get("local"), Bundle(ref).get("local")
+    assert len(rows) >= 3 and rows == want
+
+
+def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
+    """SIGKILL rank 1 once its member's journal holds finished units: the launcher stops rank 0 and
+    exits 10 naming rank 1; the same command resumes from both ranks' journals and ends bitwise equal."""
+    out = tmp_path / "o"
+    args = ["replay", str(cap), "--out", str(out), "--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "4G",
+            "--nproc", "2", "--threads", "1"]  # fmt: skip
+    journal = tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl"
+    p = subprocess.Popen([*CLI, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, deadline = None, time.time() + 60
+    while time.time() < deadline and p.poll() is None and killed is None:
+        if journal.exists() and sum('"unit"' in x for x in journal.read_text().splitlines()) >= 2:
+            killed = _rank_pid(p.pid, 1)
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.005)
+    _, err = p.communicate(timeout=60)
+    assert killed, "rank 1 finished before it could be killed"
+    assert p.returncode == RankError.exit_code, err
+    assert "rank 1 of 2 was killed by SIGKILL" in err and "resume" in err
+    assert not out.exists()
+    r = _run(args)
+    assert r.returncode == 0, r.stderr
+    assert "(resumed)" in r.stdout
+    ref = _one_thread(replay, cap, tmp_path / "ref", dtype="amp-bf16", ensemble=2, max_memory=4 << 30)
+    _assert_members_bitwise(ref, out, 2)
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]
+
+
+def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
+    """SIGSTOP rank 1 mid-step (a hang, not a death): rank 0's watchdog names it within
+    ORACLE_RANK_TIMEOUT and the run exits 10."""
+    args = ["replay", str(cap), "--out", str(tmp_path / "o"), "--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "4G",
+            "--nproc", "2", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "ORACLE_RANK_TIMEOUT": "3"}
+    journal = tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl"
+    p = subprocess.Popen([*CLI, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped, deadline = None, time.time() + 60
+    while time.time() < deadline and p.poll() is None and stopped is None:
+        if journal.exists():
+            stopped = _rank_pid(p.pid, 1)
+            os.kill(stopped, signal.SIGSTOP)
+        time.sleep(0.005)
+    assert stopped, "rank 1 finished before it could be stopped"
+    t0 = time.time()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == RankError.exit_code, err
+    assert "error: rank 0: rank 1 stopped answering: no heartbeat for 3 s" in err
+    assert time.time() - t0 < 3 + 2 + 5 + 5  # the timeout, a beat, the launcher's grace period, a loaded machine
+
+
+def test_tensor_parallel_float64_oracle_equals_the_single_process_one(fp32_capture, oracle_bundle, tmp_path):
+    """--dtype fp64 --nproc 2 on the tiny Qwen3-VL: heads and MLP split by DTensor, still float64
+    throughout (same promotions), every gradient within 1e-12 relative of the single-process oracle."""
+    r = _run(["replay", str(fp32_capture), "--out", str(tmp_path / "tp"), "--nproc", "2", "--threads", "1"])
+    assert r.returncode == 0, r.stderr
+    tp, one = Bundle(tmp_path / "tp"), Bundle(oracle_bundle)
+    assert tp.kind == "oracle" and tp.get("tensor_parallel")["ranks"] == 2
+    assert {"q_proj", "o_proj", "down_proj", "lm_head"} <= set(tp.get("tensor_parallel")["split"])  # heads, MLP, vocabulary
+    assert tp.get("numerics") == one.get("numerics")  # the same casts promoted: float64 holds under DTensor
+    assert tp.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=1e-12)
+    gt, go = tp.load_group("grads"), one.load_group("grads")
+    assert set(gt) == set(go)
+    worst = {n: float((gt[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
+    assert max(worst.values()) <= 1e-12, max(worst.items(), key=lambda kv: kv[1])
+    assert tp.get("backward_order") == one.get("backward_order")
+
+
+def test_the_tensor_parallel_plan_splits_heads_and_mlp_and_refuses_uneven_splits(monkeypatch, tmp_path, cap):
+    from oracle import recipe as recipes
+    from oracle.errors import UsageError
+    from oracle.tensor_parallel import check_divisible, plan_of
+
+    r = recipes.get("qwen3")
+    model = r.build(dict(r.load("tiny-qwen3").config))
+    plan = plan_of(model)
+    assert plan["model.layers.1.self_attn.q_proj"] == "colwise" and plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["model.layers.0.self_attn.k_norm"] == "replicated_with_grad_allreduce" and "lm_head" not in plan
+    with pytest.raises(UsageError, match="num_key_value_heads = 2; .* are not divisible by 3"):
+        check_divisible(model, 3)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: refused before the rendezvous
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match="drop --max-memory"):
+        replay(cap, tmp_path / "d", max_memory=1 << 30)
+
+
+def test_nproc_relaunches_the_same_command(cap, tmp_path, monkeypatch):
+    """The ranks get the parsed command back without --nproc (and with --threads)."""
+    seen = {}
+
+    def fake(nproc, argv, threads):
+        seen.update(nproc=nproc, argv=argv, threads=threads)
+        return 0
+
+    monkeypatch.setattr("oracle.launch.launch", fake)
+    r = CliRunner().invoke(app, ["replay", str(cap), "--out", str(tmp_path / "x"), "--dtype", "amp-bf16", "--ensemble", "3",
+                                 "--max-memory", "2G", "--no-verify", "--nproc", "4", "--threads", "2"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert seen["nproc"] == 4 and seen["threads"] == 2
+    a = seen["argv"]
+    assert a[:2] == ["replay", str(cap)] and "--nproc" not in a
+    assert "--no-verify" in a
+    rest = [x for x in a[2:] if x != "--no-verify"]
+    pairs = dict(zip(rest[::2], rest[1::2]))
+    assert pairs == {
+        "--out": str(tmp_path / "x"),
+        "--dtype": "amp-bf16",
+        "--ensemble": "3",
+        "--max-memory": "2G",
+        "--threads": "2",
+    }
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child with RANK=rank (Linux /proc)."""
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for c in children:
+        try:
+            env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(c)
+    return None
