@@ -47,7 +47,9 @@ Out = Annotated[Path, typer.Option("--out", help="Bundle directory to write.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace an existing bundle at --out (only a bundle is ever replaced).")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="Write the full result as JSON (non-finite numbers as null).")]
 Report = Annotated[Path | None, typer.Option(help="Write PNG, CSV, JSON and an HTML page here.")]
-Margin = Annotated[float, typer.Option(help="Excess over the band above which a parameter, layer or module is beyond noise.")]
+Margin = Annotated[
+    float, typer.Option(min=1.0, help="Excess over the band above which a parameter, layer or module is beyond noise (>= 1).")
+]
 Tol = Annotated[list[str] | None, typer.Option("--tol", help="Override the tolerance table: PRECISION:expected=VALUE or PRECISION:floor=VALUE.")]  # fmt: skip
 Names = Annotated[list[str] | None, typer.Option("--name", help="Display names, in order.")]
 Pattern = Annotated[str | None, typer.Option(help="Logs: regex with (?P<name>..) and (?P<value>..) groups.")]

@@ -137,12 +137,16 @@ def _file_sizes(cap: Bundle):
                 yield {"nbytes": (cap.path / e["file"]).stat().st_size}
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
+
+
 def render(p: dict[str, Any]) -> str:
     g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     f = p["flops"]
     lines = [
         f"dry run: {p['recipe']} step, {p['tokens']} tokens in {len(p['samples'])} sample(s), {p['patches']} image patches, "
-        f"{p['loss_tokens']} loss tokens, {p['parameters'] / 1e9:.3f} B parameters, {p['units']} streamed units, {p['dtype']}",
+        f"{p['loss_tokens']} loss tokens, {_count(p['parameters'])} parameters, {p['units']} streamed units, {p['dtype']}",
         f"  FLOPs    {p['total_flops']:.3e}  (linear {f['linear']:.2e}, attention {f['attention']:.2e}, head+loss {f['head']:.2e})",
         f"  time     about {p['estimated_seconds'] / 60:.1f} min here (float64 GEMM probe {p['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s x {EFFICIENCY})",
         f"  memory   peak about {g(p['memory']['peak_estimate'])}" + (f" within --max-memory {g(p['budget'])}" if p["budget"] else "")

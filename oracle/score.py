@@ -363,15 +363,24 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
 
 
 def _compare(caps: list[dict], layers) -> dict[str, Any]:
+    """Per layer, the capture closest to the truth. A layer with non-finite gradients has error inf
+    (its finite-element metrics must not make it look perfect); a tie is won by nobody."""
     key = lambda c: "norm_dev" if c["norms_only"] else "rel_l2"  # noqa: E731
     per_layer = []
     for lab, _ in layers:
-        vals = {c["name"]: r[key(c)] for c in caps for r in c["layers"] if r["name"] == lab}
+        vals = {
+            c["name"]: (math.inf if r["class"] == NONFINITE else r[key(c)]) for c in caps for r in c["layers"] if r["name"] == lab
+        }
         if len(vals) > 1:
-            per_layer.append({"layer": lab, "closest": min(vals, key=vals.get), "errors": vals})
+            best = min(vals.values())
+            leaders = [n for n, v in vals.items() if v == best]
+            per_layer.append({"layer": lab, "closest": leaders[0] if len(leaders) == 1 and math.isfinite(best) else None,
+                              "errors": vals})  # fmt: skip
     overall = {c["name"]: c["verdict"].get("worst_rel_l2") for c in caps}
     wins = {c["name"]: sum(1 for r in per_layer if r["closest"] == c["name"]) for c in caps}
-    return {"per_layer": per_layer, "layers_won": wins, "closest_overall": max(wins, key=wins.get) if wins else None,
+    top = max(wins.values()) if wins else 0
+    leaders = [n for n, w in wins.items() if w == top]
+    return {"per_layer": per_layer, "layers_won": wins, "closest_overall": leaders[0] if len(leaders) == 1 and top else None,
             "worst_layer_error": overall}  # fmt: skip
 
 
@@ -382,7 +391,9 @@ def _oracle_info(oracle: Bundle, nonfinite: list[str]) -> dict[str, Any]:
         warn = (f"the oracle's own gradients are non-finite in {len(nonfinite)} parameter(s), first along the backward: "
                 f"{nonfinite[0]}: the step overflows even in float64")  # fmt: skip
     elif cert is None:
-        warn = "the oracle is uncertified (replayed with --no-verify): its gradient was not checked by finite differences"
+        why = ("a streamed replay (--max-memory) has none" if oracle.get("streaming")
+               else "replayed with --no-verify, or above the size where --verify is automatic")  # fmt: skip
+        warn = f"the oracle is uncertified ({why}): its gradient was not checked by finite differences"
     elif cert["fd_rel_residual"] > FD_WARN:
         warn = f"the oracle's finite-difference residual {cert['fd_rel_residual']:.1e} exceeds {FD_WARN:.0e}: do not trust it"
     return {
@@ -402,7 +413,8 @@ def _summary(out: dict[str, Any]) -> str:
     cmp = out.get("comparison")
     if cmp and cmp["per_layer"]:
         won = ", ".join(f"{n} {k}/{len(cmp['per_layer'])}" for n, k in cmp["layers_won"].items())
-        lines.append(f"closer to the truth, layers won: {won}; overall closest: {cmp['closest_overall']}")
+        closest = cmp["closest_overall"] or "none (a tie)"
+        lines.append(f"closer to the truth, layers won: {won}; overall closest: {closest}")
     if out["oracle"]["warning"]:
         lines.append("WARNING: " + out["oracle"]["warning"])
     return "\n".join(lines)

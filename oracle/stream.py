@@ -205,14 +205,20 @@ class StreamEngine:
                 self.mode.mark_low(x)
             inputs.append(x)
         materialize(module, call.unit + ".", self.weights, requires_grad=True)
+        outer = None
         if call.gen is not None:
-            self.mode._gen.set_state(call.gen)  # emulation: the same jitter as the forward
+            # emulation: the recomputation draws the forward's jitter, and leaves the stream where it
+            # was, so that a resumed run, which skips finished units, draws what an uninterrupted one does
+            outer = self.mode._gen.get_state()
+            self.mode._gen.set_state(call.gen)
         with torch.enable_grad():
             out = self._run(call, inputs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if outer is not None:
+            self.mode._gen.set_state(outer)
         grads = [x.grad if req else None for x, req in zip(inputs, call.requires)]
         acc = self.pending.setdefault(call.unit, {})
         for n, p in module.named_parameters():

@@ -45,7 +45,13 @@ def parse_overrides(specs: list[str]) -> dict[str, dict[str, float]]:
             field, value = rest.split("=", 1)
             if field not in FIELDS:
                 raise ValueError
-            out.setdefault(key, {})[field] = float(value)
+            number = float(value)
         except ValueError:
             raise UsageError(f"--tol {spec!r}: expected PRECISION:expected=VALUE or PRECISION:floor=VALUE") from None
+        known = (*TABLE, UNKNOWN.name)
+        if key not in known:
+            raise UsageError(f"--tol {spec!r}: unknown precision {key!r}; choose one of {', '.join(known)}")
+        if not (number > 0 and number < float("inf")):
+            raise UsageError(f"--tol {spec!r}: a tolerance is a positive, finite relative error")
+        out.setdefault(key, {})[field] = number
     return out

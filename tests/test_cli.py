@@ -50,6 +50,9 @@ def test_capture_replay_score_through_the_cli(tmp_path, band):
         (["import-log", "{tmp}/l.log", "--out", "{tmp}/o", "--precision", "fp12"], 2, "--precision"),
         (["compare-logs", "{tmp}/a.log"], 2, "exactly two"),
         (["score", "{tmp}/missing", "--tol", "bf16:wrong=1"], 2, "--tol"),
+        (["score", "{tmp}/missing", "--tol", "fp9:floor=1e-3"], 2, "unknown precision 'fp9'"),
+        (["score", "{tmp}/missing", "--tol", "fp32:floor=-1"], 2, "positive"),
+        (["score", "{tmp}/missing", "--margin", "-3"], 2, "--margin"),
     ],
 )
 def test_user_mistakes_get_a_message_and_an_exit_code_not_a_traceback(tmp_path, args, code, message, monkeypatch):

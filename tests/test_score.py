@@ -101,6 +101,12 @@ def test_non_finite_gradients_are_counted_and_classed(fp32_capture, oracle_bundl
     row = next(p for p in c["params"] if p["name"] == "lm_head.weight")
     assert row["nonfinite"] == 1 and row["class"] == "non_finite"
     assert c["verdict"]["class"] == "non_finite" and "lm_head.weight" in c["verdict"]["text"]
+    for order in ([bad, fp32_capture], [fp32_capture, bad]):  # a NaN layer never wins "closer to the truth"
+        cmp = score(oracle_bundle, order, names=["x", "y"] if order[0] == bad else ["y", "x"])["comparison"]
+        lm = next(r for r in cmp["per_layer"] if r["layer"] == "lm_head")
+        assert lm["closest"] == "y" and cmp["layers_won"]["x"] == 0 and cmp["closest_overall"] == "y"
+    cmp = score(oracle_bundle, [fp32_capture, fp32_capture], names=["a", "b"])["comparison"]
+    assert cmp["closest_overall"] is None and cmp["layers_won"] == {"a": 0, "b": 0}  # identical captures: ties
 
 
 def test_without_a_band_the_tolerance_table_is_used_and_overridable(amp_capture, oracle_bundle):
