@@ -55,16 +55,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
+def _json_and_csv(result: dict[str, Any], out_dir: str | Path, csv_name: str, fields: list[str], rows) -> Path:
+    """The report folder with ``score.json`` (strict JSON) and one CSV of ``rows``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "score.json")
-    with open(out / "params.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    with open(out / csv_name, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        for c in result["captures"]:
-            for r in c["params"]:
-                w.writerow({"capture": c["name"], "precision": c["precision"], **r})
+        for r in rows:
+            w.writerow(r)
+    return out
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
+    rows = ({"capture": c["name"], "precision": c["precision"], **r} for c in result["captures"] for r in c["params"])
+    out = _json_and_csv(result, out_dir, "params.csv", CSV_FIELDS, rows)
     plot(result, out / "errors.png")
     png = base64.b64encode((out / "errors.png").read_bytes()).decode()
     e = html.escape
@@ -121,14 +127,7 @@ def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list
     ``modules.csv`` and ``index.html`` (the verdict and the per-module table, culprits first; then
     a section per op-level attribution in ``explained``, from ``oracle explain``)."""
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(res, out / "score.json")
-    with open(out / "modules.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=LOCAL_CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in res["modules"]:
-            w.writerow(r)
+    out = _json_and_csv(res, out_dir, "modules.csv", LOCAL_CSV_FIELDS, res["modules"])
     e = html.escape
     num = lambda x, s=".3e": "-" if not isinstance(x, (int, float)) else format(x, s)  # noqa: E731
     rank = {m: i for i, m in enumerate(res["culprits"])}
