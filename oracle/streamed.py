@@ -75,7 +75,6 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     work, resumed = work_dir(
         out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
     )
-    resumed = resumed and any(f.stat().st_size for f in work.glob("*/journal.jsonl"))  # something was done before
     inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}
