@@ -28,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oracle import atomic  # noqa: E402
 from oracle import recipe as recipes  # noqa: E402
 from oracle.bundle import Bundle  # noqa: E402
 from oracle.errors import OutputExists  # noqa: E402
@@ -70,10 +71,21 @@ def temps(out: Path) -> list[str]:
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
-def child(fn, out: Path) -> int:
+def child(fn, out: Path, hold_write: float = 0.0) -> int:
+    """Run ``fn(out)`` in a forked child. ``hold_write``: the child pauses this long with its bundle
+    written but not yet published, so that a kill aimed at the write lands inside it however fast
+    this machine writes a tiny bundle (instrumentation of the child only, not of the writer)."""
     pid = os.fork()
     if pid == 0:
         code = 0
+        if hold_write:
+            publish = atomic.publish
+
+            def slow_publish(*a, **k):
+                time.sleep(hold_write)
+                return publish(*a, **k)
+
+            atomic.publish = slow_publish
         try:
             fn(out)
         except OutputExists:
@@ -85,7 +97,7 @@ def child(fn, out: Path) -> int:
 
 
 def attempt(fn, out: Path, rng: random.Random, duration: float, in_write: bool) -> str:
-    pid = child(fn, out)
+    pid = child(fn, out, hold_write=0.2 if in_write else 0.0)
     if not in_write:
         time.sleep(rng.uniform(0, 1.3 * duration))
     else:  # wait for the temporary directory, then kill within the write

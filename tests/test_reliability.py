@@ -414,9 +414,7 @@ def test_sigkill_during_capture_replay_and_merge_loses_nothing(tmp_path):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     for kind in ("capture", "replay", "merge"):
         assert report[kind]["temporaries left"] == 0, report
-    # kill times are random and the machine's load moves the write window: ask that some kills, not
-    # necessarily of every kind, landed inside a write (the property above holds for all of them)
-    assert sum(report[k].get("killed in write", 0) for k in ("capture", "replay", "merge")) >= 1, report
+        assert report[kind].get("killed in write", 0) >= 1, report  # some kills landed inside the write
     assert report["concurrent"] == {"exit codes": [0, 6], "temporaries left": 0}
 
 
