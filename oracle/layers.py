@@ -51,7 +51,3 @@ def group(names: Iterable[str], key: LayerKey | None = None) -> list[tuple[str, 
             keyed.setdefault(k[1], (k[0], []))[1].append(n)
     ordered = [(lab, ns) for lab, (_, ns) in sorted(keyed.items(), key=lambda kv: kv[1][0])]
     return ordered + list(reversed(list(unknown.items())))
-
-
-def label_of(name: str, key: LayerKey | None = None) -> str:
-    return group([name], key)[0][0]

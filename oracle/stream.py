@@ -300,16 +300,13 @@ class _Journal:
         self.path = self.dir / JOURNAL
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a kill: everything before it holds
-                if rec["kind"] == "unit" and (self.dir / rec["file"]).is_file():
-                    self.units[rec["unit"]] = rec
-                elif rec["kind"] == "call" and (self.dir / rec["file"]).is_file():
-                    self.calls[(rec["unit"], rec["index"])] = rec["file"]
+        for rec in read_journal(self.dir):
+            if not (self.dir / rec["file"]).is_file():
+                continue
+            if rec["kind"] == "unit":
+                self.units[rec["unit"]] = rec
+            elif rec["kind"] == "call":
+                self.calls[(rec["unit"], rec["index"])] = rec["file"]
         self._shard = len(self.units)
 
     def _append(self, rec: dict) -> None:
@@ -365,8 +362,20 @@ class _Journal:
         self.units[unit] = rec
         self._append(rec)
 
-    def shards(self) -> list[dict]:
-        return list(self.units.values())
+
+def read_journal(member_dir: Path, kind: str | None = None) -> list[dict]:
+    """The records of a member's journal (of one ``kind``: "unit" or "call"); a last line cut by a
+    kill ends it, everything before it holds."""
+    path = member_dir / JOURNAL
+    recs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if kind is None or rec["kind"] == kind:
+            recs.append(rec)
+    return recs
 
 
 def _slug(name: str) -> str:

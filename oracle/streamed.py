@@ -23,7 +23,7 @@ from . import precision as precisions
 from .bundle import Bundle, BundleWriter
 from .errors import RecipeError, UsageError
 from .numerics import PrecisionMode
-from .stream import StreamEngine, largest_unit_bytes, max_rss_bytes, rss_bytes, tame_malloc, work_dir
+from .stream import StreamEngine, largest_unit_bytes, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
 WORKING_SET_FACTOR = (
     6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
@@ -102,10 +102,13 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
         torch.manual_seed(0)
         loss = engine.run(inputs, reduction)
-        promotions += mode.promotions + build_mode.promotions
+        member_promotions = mode.promotions + build_mode.promotions
+        promotions += member_promotions
         stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
                  "store_budget": engine.store.budget, "fixed_estimate": fixed}  # fmt: skip
-        (work / member / "end.json").write_text(json.dumps({"loss": loss, "order": engine.order, "promotions": promotions}))
+        (work / member / "end.json").write_text(
+            json.dumps({"loss": loss, "order": engine.order, "promotions": member_promotions})
+        )
         losses.append(loss)
         orders.append(engine.order)
         del engine
@@ -113,7 +116,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         if not distributed.is_main():  # send each own member's end record and gradient shards to rank 0
             for k, member in enumerate(members):
                 if distributed.mine(k):
-                    units = _journal_units(work / member)
+                    units = read_journal(work / member, "unit")
                     end = json.loads((work / member / "end.json").read_text())
                     distributed.send_parts(member, {"end": end, "units": units}, [work / member / u["file"] for u in units])
             distributed.finish()  # rank 0 has published the bundle: this rank's journals are no longer needed
@@ -145,7 +148,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                            "ops": ops, "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept"},
             )  # fmt: skip
         for member in members:
-            for rec in _journal_units(work / member):
+            for rec in read_journal(work / member, "unit"):
                 src = work / member / rec["file"]
                 dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
                 src.rename(dst)
@@ -154,12 +157,3 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     shutil.rmtree(work, ignore_errors=True)
     distributed.finish()
     return out
-
-
-def _journal_units(member_dir: Path) -> list[dict]:
-    recs = []
-    for line in (member_dir / "journal.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "unit":
-            recs.append(rec)
-    return recs
