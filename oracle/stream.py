@@ -194,6 +194,10 @@ class StreamEngine:
         saved = self.journal.grad_inputs(call.unit, call.index)
         if saved is not None and self.journal.unit_done(call.unit):
             self.store.take(call.handle)
+            self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
+            if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
+                written = self.journal.units[call.unit]["entries"]
+                self.order += [p for p in self.unit_params[call.unit] if p in written]
             self._tick("backward", call.unit)
             return saved
         module = self.model.get_submodule(call.unit)
@@ -246,9 +250,8 @@ class StreamEngine:
         head._parameters["weight"] = w
 
         def done(p: torch.Tensor) -> None:
-            if not self.journal.unit_done("lm_head"):
-                self.order.append("lm_head.weight")
-                self.journal.write_unit("lm_head", {"lm_head.weight": p.grad})
+            self.order.append("lm_head.weight")
+            self.journal.write_unit("lm_head", {"lm_head.weight": p.grad})  # a no-op for a resumed, written head
             p.grad = None
             p.data = torch.empty(0, dtype=p.dtype)  # the weight's storage goes now, not at the end of the backward
             head._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=META))

@@ -118,6 +118,7 @@ def test_a_killed_streaming_replay_resumes_bitwise(fp32_capture, tmp_path, extra
     assert "(resumed)" in r.stdout
     whole = [*cmd[:4], str(fp32_capture), "--out", str(tmp_path / "whole"), *tail]  # same command, same threads
     assert subprocess.run(whole, cwd=ROOT, env=env, capture_output=True).returncode == 0
+    assert Bundle(out).get("backward_order") == Bundle(tmp_path / "whole").get("backward_order")
     for group in Bundle(out).member_groups():
         a, b = Bundle(tmp_path / "whole").load_group(group), Bundle(out).load_group(group)
         assert [n for n in a if not torch.equal(a[n], b[n])] == [], group
