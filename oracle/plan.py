@@ -63,7 +63,7 @@ def _samples(cap: Bundle, total: int) -> list[int]:
 
 def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int | None = None) -> dict[str, Any]:
     from .replay import _recipe_of
-    from .streamed import WORKING_SET_FACTOR, _largest_input_bytes
+    from .streamed import _largest_input_bytes, unit_reserve
 
     recipe = _recipe_of(cap)
     compute = precisions.emulation(dtype)[0]
@@ -106,7 +106,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     hidden = _largest_input_bytes(cap, compute) // max(T, 1) if T else 0
     n_units = len(units)
     activations = n_units * max(T, patches) * hidden  # boundary inputs kept for the backward (upper bound)
-    fixed = 2 * unit_bytes + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+    fixed = unit_reserve(cap, compute, unit_bytes)
     store_budget = None if budget is None else max(budget - fixed, 0)
     spill = 0 if store_budget is None else max(activations - store_budget, 0)
     captured = sum(e["nbytes"] for e in _file_sizes(cap))

@@ -30,6 +30,12 @@ WORKING_SET_FACTOR = (
 )
 
 
+def unit_reserve(cap: Bundle, compute: torch.dtype, largest_unit: int) -> int:
+    """What streaming one unit needs besides the process itself: the largest unit's weights and
+    their gradients, and its recomputation's working set (the split stated in the module docstring)."""
+    return 2 * largest_unit + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+
+
 def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
     from . import __version__
 
@@ -92,7 +98,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         build_mode = PrecisionMode(compute)
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
                               progress=progress and distributed.is_main())  # fmt: skip
-        fixed = rss_bytes() + 2 * largest_unit_bytes(engine) + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+        fixed = rss_bytes() + unit_reserve(cap, compute, largest_unit_bytes(engine))
         if budget < fixed:
             raise UsageError(
                 f"--max-memory {budget / 2**30:.2f} GiB is below what one unit needs alongside the process "
