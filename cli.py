@@ -98,6 +98,50 @@ def _check_device(device: str) -> None:
 
 @app.command()
 @user_errors
+def judge(
+    runs: Annotated[list[Path] | None, typer.Argument(help="Run A's and run B's capture folders: Megatron rank folders (capture_rank's output) or capture bundles.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Work folder: every stage's output (reused when its inputs are unchanged) and report/.")] = None,
+    recipe: Annotated[str | None, typer.Option(help="Recipe whose names rank folders are merged to (qwen3, qwen3-vl).")] = None,
+    name: Names = None,
+    log_a: Annotated[Path | None, typer.Option("--log-a", help="Run A's grad-norm log.")] = None,
+    log_b: Annotated[Path | None, typer.Option("--log-b", help="Run B's grad-norm log.")] = None,
+    max_memory: Annotated[str | None, typer.Option(help="Stream the replays within this memory (16G); resumable.")] = None,
+    ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = 4,
+    members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
+    margin: Margin = 3.0,
+    dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose micro-batch is the step.")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
+) -> None:  # fmt: skip
+    """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op."""
+    from oracle.pipeline.judge import Judge, judge_logs
+    from oracle.report.judge import render_judge, render_logs_only
+
+    if not runs:
+        if not (log_a and log_b):
+            raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
+        typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out)))
+        return
+    if len(runs) != 2:
+        raise UsageError(f"judge takes two runs (A and B), got {len(runs)}")
+    if (log_a is None) != (log_b is None):
+        raise UsageError("give both --log-a and --log-b, or neither")
+    if out is None and not dry_run:
+        raise UsageError("give --out DIR: the work folder for the stages and the report")
+    j = Judge(runs[0], runs[1], out=out or Path("."), recipe=recipe, names=name, logs=[log_a, log_b] if log_a else [],
+              max_memory=max_memory, ensemble=ensemble, members=members, margin=margin, nproc=nproc, threads=threads,
+              dp_rank=dp_rank, echo=lambda s: typer.echo(s, err=True))  # fmt: skip
+    if dry_run:
+        typer.echo(j.dry_run())
+        return
+    doc = j.run()
+    typer.echo(render_judge(doc))
+    typer.echo(f"\nreport: {doc['report_files']['html']} (text {doc['report_files']['text']}, json {doc['report_files']['json']})")
+
+
+@app.command()
+@user_errors
 def capture(
     out: Out,
     model: Annotated[str, typer.Option(help="Embedded model name, or a local Hugging Face model directory.")] = "tiny-qwen3-vl",
