@@ -124,6 +124,9 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
             why = "no recorded loss to tell forward from backward" if not lc else "the onset is at the loss end"
         evidence = (f"end to end: first out of band along the backward at {on['layer']} ({layer['first_param']}, "
                     f"{on['excess']:.1f}x its band); {on['stays_out']}/{on['after']} layers after stay out; {why}")  # fmt: skip
+        if lv:
+            evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
+                         "(a hand-off), which only the end-to-end onset places")  # fmt: skip
         rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,
                      "onset_param": layer["first_param"], "framework": fw})  # fmt: skip
     parts = []

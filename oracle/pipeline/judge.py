@@ -77,6 +77,10 @@ def run_names(paths: list[Path], names: list[str] | None) -> list[str]:
     return ["A", "B"]
 
 
+def _size(b: float) -> str:
+    return next(f"{b / 2**k:.2f} {u}" for k, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if b >= 2**k or k == 0)
+
+
 def _replay_cmd(cap: Path, out: Path, dtype: str, ensemble: int, budget: str | None, nproc: int, threads: int | None,
                 local: bool = False, members: int = 2) -> list[str]:  # fmt: skip
     cmd = [sys.executable, "-m", "oracle", "replay", str(cap), "--out", str(out), "--overwrite", "--nproc", str(nproc)]
@@ -204,7 +208,6 @@ class Judge:
             check_same_step(caps[0], caps[1], self.names[1])
             est = self.estimates(caps)
             order = self.stage_names(self.precisions(caps))
-        g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
         lines = [f"dry run: oracle judge {self.names[0]} vs {self.names[1]}: {len(order)} stages"
                  + (f", streamed within --max-memory {self.max_memory}" if self.max_memory else "")
                  + (f", --nproc {self.nproc}" if self.nproc > 1 else ""),
@@ -212,10 +215,10 @@ class Judge:
         for s in order:
             e = est.get(s, {"seconds": 0, "flops": 0, "memory": 0, "disk": 0})
             t = f"{e['seconds'] / 60:.1f} min" if e["seconds"] >= 60 else f"{e['seconds']:.0f} s"
-            lines.append(f"  {s:<24} {t:>10} {e['flops'] / 1e9:>10.2f} {g(e['memory']):>12} {g(e['disk']):>10}")
+            lines.append(f"  {s:<24} {t:>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
         tot = sum(e["seconds"] for e in est.values())
-        lines.append(f"  total about {tot / 60:.1f} min here; peak memory {g(max(e['memory'] for e in est.values()))}; "
-                     f"disk {g(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe of this machine)")  # fmt: skip
+        lines.append(f"  total about {tot / 60:.1f} min here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
+                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe of this machine)")  # fmt: skip
         return "\n".join(lines)
 
     # -- the run -----------------------------------------------------------------------------

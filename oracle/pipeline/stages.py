@@ -122,7 +122,6 @@ class Stages:
         key = stage_key(name, params, inputs)
         kf = self._key_file(out)
         if out.is_dir() and kf.is_file() and kf.read_text().strip() == key:
-            self.progress.start(name, what)
             self.progress.end(name, None, reused=True)
             self.reused.append(name)
             return out
@@ -144,7 +143,6 @@ class Stages:
             except ValueError:
                 doc = None
             if isinstance(doc, dict) and doc.get("stage_key") == key:
-                self.progress.start(name, what)
                 self.progress.end(name, None, reused=True)
                 self.reused.append(name)
                 return doc["result"]
