@@ -122,8 +122,7 @@ def test_dry_run_lists_every_stage_without_out(runs, tmp_path, monkeypatch):
 
 
 def test_another_step_is_refused_before_any_replay(runs, tmp_path):
-    """A run of another step (its post-finalize capture holds another loss and gradients, other weights none:
-    here a different DP view) - simulated by a merged capture with one input changed - exits 5, and no truth is made."""
+    """Run B of another step (a merged capture with its tokens changed) exits 5 before any replay: no truth is made."""
     import torch
 
     from oracle.bundle.store import Bundle, BundleWriter
@@ -137,12 +136,12 @@ def test_another_step_is_refused_before_any_replay(runs, tmp_path):
         for group in b.groups():
             t = b.load_group(group)
             if group == "inputs":
-                t["input_ids"] = (t["input_ids"] + 1) % 200
+                t["tokens"] = (t["tokens"] + 1) % 200
             w.add(group, t)
     work = tmp_path / "work"
     res = CliRunner().invoke(app, ["judge", str(runs / "h20" / "pre"), str(other), "--out", str(work), *ARGS])
     assert res.exit_code == 5, res.output
-    assert "not the step the oracle replays" in res.stderr and "inputs/input_ids: values differ" in res.stderr
+    assert "not the step the oracle replays" in res.stderr and "inputs/tokens: values differ" in res.stderr
     assert not (work / "truth").exists()
 
 

@@ -6,8 +6,10 @@
    (``score``'s comparison; a tie or a non-finite layer is won by nobody);
 3. where is it born?  with module boundaries: the local replay's culprit (module, forward or
    backward: the error born in that module alone against an honest run of the same module).
-   Without: end to end, the first layer beyond noise walking from the loss end, and in it the
-   first parameter the backward completed (``onset``); its owning module is named. The direction
+   Without: end to end, the first layer beyond noise walking from the loss end (``onset``), and in
+   it the parameter of largest excess (what a module inherits is diluted by the layers between, so
+   the module where it is born stands out most; a streamed oracle's backward order is per unit,
+   so the order inside a layer cannot decide); its owning module is named. The direction
    end to end: a forward fault changes the loss, so a loss within its band
    (|L_captured - L_replayed| / |L_replayed| <= margin x expected) and an onset below the loss
    end read as a backward fault; a loss beyond its band as a forward one.
@@ -111,7 +113,7 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
                          else v["text"]})  # fmt: skip
             continue
         layer = next(r for r in c["layers"] if r["name"] == on["layer"])
-        module = module_of(layer["first_param"])
+        module = module_of(layer["worst_param"])
         at_loss_end = on["layer"] == c["layers"][0]["name"]
         if lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
@@ -122,13 +124,15 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
         else:
             direction = None
             why = "no recorded loss to tell forward from backward" if not lc else "the onset is at the loss end"
-        evidence = (f"end to end: first out of band along the backward at {on['layer']} ({layer['first_param']}, "
-                    f"{on['excess']:.1f}x its band); {on['stays_out']}/{on['after']} layers after stay out; {why}")  # fmt: skip
+        worst = _param_row(c, layer["worst_param"]) or {"excess": math.nan}
+        evidence = (f"end to end: first out of band along the backward at {on['layer']} ({on['excess']:.1f}x its band), "
+                    f"largest there in {layer['worst_param']} ({worst['excess']:.1f}x); {on['stays_out']}/{on['after']} "
+                    f"layers after stay out; {why}")  # fmt: skip
         if lv:
             evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
                          "(a hand-off), which only the end-to-end onset places")  # fmt: skip
         rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,
-                     "onset_param": layer["first_param"], "framework": fw})  # fmt: skip
+                     "onset_param": layer["worst_param"], "framework": fw})  # fmt: skip
     parts = []
     for r in rows:
         if r["module"]:
