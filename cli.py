@@ -198,7 +198,7 @@ def capture(
 def replay(
     ctx: typer.Context,
     capture: Annotated[Path, typer.Argument(help="Capture bundle to replay.")],
-    out: Out,
+    out: Annotated[Path | None, typer.Option("--out", help="Bundle directory to write (not needed with --dry-run).")] = None,
     dtype: Annotated[ReplayDtype, typer.Option(help="fp64: the oracle; others: an emulated run (noise band).")] = ReplayDtype.fp64,
     ensemble: Annotated[int, typer.Option(min=1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered).")] = 1,
     verify: Annotated[bool | None, typer.Option("--verify/--no-verify", help="Finite-difference certificate (default: when cheap).")] = None,
@@ -214,6 +214,11 @@ def replay(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    if out is None and not dry_run:
+        raise UsageError("give --out: the bundle directory to write (only --dry-run needs none)")
+    if local and max_memory is not None:
+        raise UsageError("--local replays one recorded module at a time (only that module is materialised); "
+                         "--max-memory does not apply to it: drop --max-memory")
     if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/parallel/launch.py); rank 0 prints the result
         from oracle.parallel.launch import argv_of, launch
 
@@ -293,6 +298,10 @@ def score(
     from oracle.bundle.store import Bundle
     from oracle.score.tolerance import parse_overrides
 
+    from oracle.report.outputs import check_dir, check_file, writing
+
+    check_file(json_out, "--json")
+    check_dir(report, "--report")
     overrides = parse_overrides(tol or [])
     first = Bundle(oracle)
     if first.kind == "local":
@@ -319,10 +328,12 @@ def score(
         typer.echo(render(result, top=top))
         write = write_report
     if json_out:
-        write_json(result, json_out)
+        with writing("--json", json_out):
+            write_json(result, json_out)
         typer.echo(f"json: {json_out}")
     if report:
-        typer.echo(f"report: {write(result, report)}")
+        with writing("--report", report):
+            typer.echo(f"report: {write(result, report)}")
 
 
 @app.command("compare-logs")
@@ -419,12 +430,16 @@ def rank_view_cmd(
     logs: Annotated[list[Path] | None, typer.Option("--log", help="Gradient-norm logs printed on that rank: which is closer to the truth.")] = None,
     name: Names = None,
     occurrence: Occurrence = None,
+    json_out: JsonOut = None,
 ) -> None:  # fmt: skip
     """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
     from oracle.bundle.store import Bundle
     from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
     from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
 
+    from oracle.report.outputs import check_file, writing
+
+    check_file(json_out, "--json")
     st = stage.value if stage is not None else None
     warnings: list[str] = []
     view = rank_view(oracle, rank=rank, pp_rank=pp_rank, tp_size=tp, sequence_parallel=sp, stage=st,
@@ -435,19 +450,33 @@ def rank_view_cmd(
     loss = "per-token (sum before finalize)" if lay["calculate_per_token_loss"] else "mean"
     typer.echo(f"rank view: TP={lay['tp_size']}{' SP' if lay['sequence_parallel'] else ''} rank {rank}, stage {pp_rank} of PP "
                f"{lay['pp_size']}, {lay['stage']}, {loss} loss: {len(view)} gradients")  # fmt: skip
+    doc = {"layout": lay, "rank": rank, "pp_rank": pp_rank, "warnings": warnings, "compare": {}, "logs": None}
     for b in compare or []:
         errs = compare_rank(view, b)
+        doc["compare"][str(b)] = errs
         if not errs:
             typer.echo(f"  {b}: no gradient in common with the view")
             continue
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
+        w = max(len(n) for n in errs)
+        typer.echo(f"    {'parameter':<{w}} {'rel L2':>9}")
+        for n in sorted(errs):
+            typer.echo(f"    {n:<{w}} {errs[n]:>9.2e}")
     if logs:
         from oracle.integrations import normlog
+        from oracle.integrations.megatron.rankview import log_rows
 
         parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
         labels = name or [p.stem for p in logs]
         typer.echo(compare_view_logs(view, parsed, labels))
+        doc["logs"] = log_rows(view, parsed, labels)
+    if json_out:
+        from oracle.bundle.jsonio import write_json
+
+        with writing("--json", json_out):
+            write_json(doc, json_out)
+        typer.echo(f"json: {json_out}")
 
 
 @app.command("import-msprobe")
@@ -509,15 +538,20 @@ def explain(
     from oracle.bundle.jsonio import write_json
     from oracle.report.files import write_explain_report
     from oracle.report.text import render_explain
+    from oracle.report.outputs import check_dir, check_file, writing
     from oracle.score.explain import explain as do_explain
 
+    check_file(json_out, "--json")
+    check_dir(report, "--report")
     res = do_explain(capture, module, fmt=fmt)
     typer.echo(render_explain(res))
     if json_out:
-        write_json(res, json_out)
+        with writing("--json", json_out):
+            write_json(res, json_out)
         typer.echo(f"json: {json_out}")
     if report:
-        typer.echo(f"report: {write_explain_report(res, report)}")
+        with writing("--report", report):
+            typer.echo(f"report: {write_explain_report(res, report)}")
 
 
 def main() -> None:  # console script entry point

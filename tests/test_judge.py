@@ -201,3 +201,92 @@ def test_the_html_report_renders_in_a_headless_browser(judged, tmp_path):
     res = subprocess.run([*base, f"--screenshot={shot}", "--window-size=1280,2400", page.as_uri()], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0 and shot.stat().st_size > 10_000, res.stderr[-2000:]
+
+
+# -- papercuts met on the way (issue 20) ------------------------------------------------------------
+def test_replay_dry_run_needs_no_out_and_a_replay_without_out_is_a_usage_error(judged):
+    """`oracle replay CAP --dry-run` runs without --out; without --dry-run a missing --out exits 2."""
+    work, _ = judged
+    res = CliRunner().invoke(app, ["replay", str(work / "merge-H20"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("dry run: qwen3 step")
+    res = CliRunner().invoke(app, ["replay", str(work / "merge-H20")])
+    assert res.exit_code == 2 and "give --out" in res.stderr
+
+
+def test_local_replay_refuses_max_memory(judged, tmp_path):
+    """--local with --max-memory is refused (exit 2), not silently ignored."""
+    work, _ = judged
+    res = CliRunner().invoke(app, ["replay", str(work / "merge-H20"), "--local", "--max-memory", "1G", "--out", str(tmp_path / "l")])
+    assert res.exit_code == 2 and "--max-memory does not apply" in res.stderr, res.output
+    assert not (tmp_path / "l").exists()
+
+
+def test_loss_check_text_agrees_when_the_loss_is_within_the_band_and_padded_rows_are_shown(judged):
+    """The loss check of an honest run does not say 'not the step that ran'; padded vocabulary rows are in the text."""
+    work, _ = judged
+    res = CliRunner().invoke(app, ["score", str(work / "truth"), str(work / "merge-H20"), "--band", str(work / "band-fp32"),
+                                   "--json", str(work / "s.json")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    lc = json.loads((work / "s.json").read_text())["captures"][0]["loss_check"]
+    assert not lc["beyond"] and lc["text"].startswith("the loss agrees with the replay within the band")
+    assert "not the step that ran" not in lc["text"]
+    assert "padded rows 200..256 of model.embed_tokens.weight: rel L2" in res.stdout
+    assert "padded rows 200..256 of lm_head.weight: rel L2" in res.stdout
+
+
+def test_score_and_explain_refuse_an_unwritable_output_before_computing(judged, tmp_path, monkeypatch):
+    """--json / --report under a file exit 9 before the score or explain runs (the computation is never called)."""
+    import oracle.score.explain
+    import oracle.score.scorer
+
+    def boom(*a, **k):
+        raise AssertionError("computed before the output was checked")
+
+    monkeypatch.setattr(oracle.score.scorer, "score", boom)
+    monkeypatch.setattr(oracle.score.explain, "explain", boom)
+    work, _ = judged
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args in (["score", str(work / "truth"), str(work / "merge-H20"), "--json", str(blocker / "x.json")],
+                 ["score", str(work / "truth"), str(work / "merge-H20"), "--report", str(blocker / "rep")],
+                 ["explain", str(work / "merge-H20"), "--module", "m", "--json", str(blocker / "x.json")],
+                 ["explain", str(work / "merge-H20"), "--module", "m", "--report", str(blocker / "rep")]):  # fmt: skip
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 9, (args, res.output)
+        assert "is a file, not a directory" in res.stderr
+
+
+def test_rank_view_prints_every_parameter_writes_json_and_a_rank_outside_tp_is_a_usage_error(runs, judged, tmp_path):
+    """rank-view --compare lists every parameter's error, --json holds them all; --rank 2 of TP 2 exits 2."""
+    work, _ = judged
+    rank0 = runs / "h20" / "pre" / "rank00000"
+    res = CliRunner().invoke(app, ["rank-view", str(work / "truth"), "--rank", "0", "--compare", str(rank0), "--json",
+                                   str(tmp_path / "rv.json")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "rv.json").read_text())
+    errs = doc["compare"][str(rank0)]
+    assert len(errs) > 10
+    for n in errs:
+        assert n in res.stdout
+    res = CliRunner().invoke(app, ["rank-view", str(work / "truth"), "--rank", "2"])
+    assert res.exit_code == 2 and "--rank 2 is outside TP size 2" in res.stderr, res.output
+
+
+def test_dp_rank_outside_the_run_is_a_usage_error(tmp_path):
+    """merge --dp-rank 5 of a DP 2 run exits 2 (a usage mistake, not a malformed bundle)."""
+    run_peer(str(tmp_path / "dp2"), tp=1, sp=False, dp=2, port=29721)
+    res = CliRunner().invoke(app, ["merge", str(tmp_path / "dp2" / "pre"), "--recipe", "qwen3", "--dp-rank", "5",
+                                   "--out", str(tmp_path / "m")])  # fmt: skip
+    assert res.exit_code == 2 and "--dp-rank 5 is outside DP size 2" in res.stderr, res.output
+
+
+def test_the_local_table_keeps_long_module_names_whole():
+    """A long module name is printed whole (its layer index is on the left), not cut from the left."""
+    from oracle.report.text import render_local
+
+    name = "model.language_model.layers.17.self_attn.some.very.long.wrapper.path.q_norm"
+    row = {"module": name, "fwd": 1e-7, "ratio_fwd": 0.5, "bwd": 2e-7, "ratio_bwd": 0.6, "param": 3e-7, "ratio_param": 0.7,
+           "inherited": 1e-6, "ratio": 0.7}  # fmt: skip
+    out = render_local({"local": "x", "precision": "fp32", "modules": [row], "culprits": [], "verdict": {"text": "none"}})
+    assert name in out and len(name) > 52

@@ -107,10 +107,10 @@ def _html(doc: dict[str, Any], png: str) -> str:
     for c in doc["score"]["captures"]:
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
         parts.append(f"<h3>{e(c['name'])} ({e(c['precision'])}), per layer, loss end first</h3>")
-        parts.append(f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>first out of band</th></tr>")
+        parts.append(f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>")
         for r in c["layers"]:
             parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
-                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['first_param'])}</td></tr>")  # fmt: skip
+                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
         parts.append("</table>")
     parts.append(f"<h2>Full text</h2><pre>{e(render_judge(doc))}</pre>")
     parts.append("<p>Files: <a href='judge.json'>judge.json</a>, <a href='judge.txt'>judge.txt</a>, "

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...bundle.store import Bundle
-from ...errors import BundleError
+from ...errors import BundleError, UsageError
 from ...metrics import rel_l2
 from ...precision.mode import PrecisionMode
 from ...replay.run import run_step
@@ -126,9 +126,9 @@ def rank_view(
     meg = oracle.get("megatron")
     tp, sp, stage_ = lay["tp_size"], bool(lay["sequence_parallel"]), lay["stage"]
     if not 0 <= rank < tp:
-        raise BundleError(f"rank {rank} is outside TP size {tp}")
+        raise UsageError(f"--rank {rank} is outside TP size {tp}: choose 0..{tp - 1}")
     if not 0 <= pp_rank < lay["pp_size"]:
-        raise BundleError(f"pipeline stage {pp_rank} is outside PP size {lay['pp_size']}")
+        raise UsageError(f"--pp-rank {pp_rank} is outside PP size {lay['pp_size']}: choose 0..{lay['pp_size'] - 1}")
     heads = Heads.from_config(meg["config"])
     heads.check(tp)
     vocab = meg.get("vocab") or {}
