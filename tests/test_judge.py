@@ -290,3 +290,25 @@ def test_the_local_table_keeps_long_module_names_whole():
            "inherited": 1e-6, "ratio": 0.7}  # fmt: skip
     out = render_local({"local": "x", "precision": "fp32", "modules": [row], "culprits": [], "verdict": {"text": "none"}})
     assert name in out and len(name) > 52
+
+
+def test_captures_with_module_boundaries_get_the_local_culprit_and_the_op_class(source, sample, tmp_path):
+    """Two tiny Qwen3-VL fp32 captures, B's layer-2 MLP activation run in bf16: the local replay names the MLP
+    (forward) and explain names the activation op class, in the report's first line."""
+    from faults import bf16_activation
+
+    from oracle.capture.steps import capture_recipe_step
+
+    mods = r"layers\.2\.mlp$"
+    a = capture_recipe_step(source, sample, str(tmp_path / "a"), precision="fp32", modules=mods)
+    b = capture_recipe_step(source, sample, str(tmp_path / "b"), precision="fp32", modules=mods, instrument=bf16_activation(2))
+    res = CliRunner().invoke(app, ["judge", str(a), str(b), "--name", "A", "--name", "B", "--ensemble", "2",
+                                   "--out", str(tmp_path / "work")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0] == ("answer: B is faulty (beyond its own noise band); born in "
+                                          "model.language_model.layers.2.mlp (forward); op class: activation")  # fmt: skip
+    doc = json.loads((tmp_path / "work" / "report" / "judge.json").read_text())
+    born = {r["run"]: r for r in doc["answers"]["born"]["per_run"]}
+    assert born["B"]["source"] == "local replay"
+    assert doc["explain"]["B"]["top"] == "activation" and "A" not in doc["explain"]
+    assert "explain-A: skipped" in res.stderr

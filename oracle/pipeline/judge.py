@@ -286,10 +286,8 @@ class Judge:
                                    lambda lb=lb: score_local(lb, margin=self.margin))  # fmt: skip
             culprit = local[n]["verdict"].get("culprit")
             if culprit:
-                from ..score.explain import explain
-
                 explained[n] = st.document(f"explain-{n}", f"which op class explains {culprit}", {"module": culprit}, [cp],
-                                           lambda cp=cp, culprit=culprit: explain(cp, culprit))  # fmt: skip
+                                           lambda cp=cp, culprit=culprit: explain_culprit(cp, culprit))  # fmt: skip
             else:
                 progress.skip(f"explain-{n}", "no module beyond its band: nothing to explain")
         logs = None
@@ -307,6 +305,19 @@ class Judge:
         doc["report_files"] = write_judge_report(doc, self.out / "report")
         progress.end("report", t0, reused=False)
         return doc
+
+
+def explain_culprit(capture: Path, module: str) -> dict[str, Any]:
+    """``explain`` in the capture's own format; where no class explains most (>= 50 %) of the error
+    and the capture is held wider than bf16, again with the classes in bf16 (an op run in a lower
+    precision than the capture's: the commonest wrong choice), keeping the better-explained one."""
+    from ..score.explain import explain
+
+    first = explain(capture, module)
+    if first["classes"][0]["share_only"] >= 0.5 or first["format"] in ("bf16", "fp16"):
+        return first
+    low = explain(capture, module, fmt="bf16")
+    return low if low["classes"][0]["share_only"] > first["classes"][0]["share_only"] else first
 
 
 def logs_against_truth(truth: Path, logs: list[Path], names: list[str]) -> dict[str, Any]:
