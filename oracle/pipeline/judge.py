@@ -383,7 +383,8 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     ]
     doc = {"schema_version": answers_mod.SCHEMA_VERSION, "kind": "oracle-judge-logs", "names": list(labels),
            "shows": shows, "cannot_conclude": cannot,
-           "capture_commands": CAPTURE_COMMANDS.format(dir="$CAPTURE_DIR", log_a=log_a, log_b=log_b), "compare": cmp}  # fmt: skip
+           "capture_commands": CAPTURE_COMMANDS.format(dir="$CAPTURE_DIR", log_a=log_a, log_b=log_b), "compare": cmp,
+           "compare_text": normlog.render_compare(cmp)}  # fmt: skip
     if out is not None:
         from ..bundle.jsonio import write_json
 

@@ -68,13 +68,11 @@ def render_judge(doc: dict[str, Any]) -> str:
 
 
 def render_logs_only(doc: dict[str, Any]) -> str:
-    from ..integrations.normlog import render_compare
-
     lines = [f"from the logs alone ({doc['names'][0]} vs {doc['names'][1]}, no capture):", "", "what they show:"]
     lines += [f"   {s}" for s in doc["shows"]]
     lines += ["", "what cannot be concluded without a capture:"] + [f"   - {s}" for s in doc["cannot_conclude"]]
     lines += ["", "capture the step on both clusters:", doc["capture_commands"], "-- the logs side by side --",
-              render_compare(doc["compare"])]  # fmt: skip
+              doc["compare_text"]]  # fmt: skip
     return "\n".join(lines)
 
 
