@@ -296,9 +296,8 @@ def score(
     """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
     from oracle.bundle.jsonio import write_json
     from oracle.bundle.store import Bundle
-    from oracle.score.tolerance import parse_overrides
-
     from oracle.report.outputs import check_dir, check_file, writing
+    from oracle.score.tolerance import parse_overrides
 
     check_file(json_out, "--json")
     check_dir(report, "--report")
@@ -436,7 +435,6 @@ def rank_view_cmd(
     from oracle.bundle.store import Bundle
     from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
     from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
-
     from oracle.report.outputs import check_file, writing
 
     check_file(json_out, "--json")
@@ -537,8 +535,8 @@ def explain(
     """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
     from oracle.bundle.jsonio import write_json
     from oracle.report.files import write_explain_report
-    from oracle.report.text import render_explain
     from oracle.report.outputs import check_dir, check_file, writing
+    from oracle.report.text import render_explain
     from oracle.score.explain import explain as do_explain
 
     check_file(json_out, "--json")

@@ -123,7 +123,6 @@ def test_dry_run_lists_every_stage_without_out(runs, tmp_path, monkeypatch):
 
 def test_another_step_is_refused_before_any_replay(runs, tmp_path):
     """Run B of another step (a merged capture with its tokens changed) exits 5 before any replay: no truth is made."""
-    import torch
 
     from oracle.bundle.store import Bundle, BundleWriter
     from oracle.integrations.megatron.merge import merge_ranks
@@ -181,7 +180,14 @@ def test_the_html_report_renders_in_a_headless_browser(judged, tmp_path):
     """Chromium renders the page: the headline and verdicts are in the DOM, the plot image decoded, no script error."""
     work, _ = judged
     page = (work / "report" / "index.html").resolve()
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"]
+    base = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     probe = tmp_path / "probe.html"  # the page plus a check that runs after load and writes into the DOM
     probe.write_text(page.read_text().replace("</body>", "<script>window.addEventListener('load',function(){var i=document."
                      "getElementById('plot');var p=document.createElement('p');p.id='probe';p.textContent='plot '+(i&&i.complete&&"
@@ -192,7 +198,7 @@ def test_the_html_report_renders_in_a_headless_browser(judged, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert "answer: NPU is faulty" in html and "born in model.layers.1.mlp (backward)" in html
-    assert "id=\"verdicts\"" in html and "beyond_noise" in html and "within_noise" in html
+    assert 'id="verdicts"' in html and "beyond_noise" in html and "within_noise" in html
     assert "plot decoded" in html and "; errors 0" in html, html[-500:]
     assert '<pre id="js-errors"></pre>' in html
     console = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln and ("Error" in ln or "error" in ln)]
@@ -217,7 +223,9 @@ def test_replay_dry_run_needs_no_out_and_a_replay_without_out_is_a_usage_error(j
 def test_local_replay_refuses_max_memory(judged, tmp_path):
     """--local with --max-memory is refused (exit 2), not silently ignored."""
     work, _ = judged
-    res = CliRunner().invoke(app, ["replay", str(work / "merge-H20"), "--local", "--max-memory", "1G", "--out", str(tmp_path / "l")])
+    res = CliRunner().invoke(
+        app, ["replay", str(work / "merge-H20"), "--local", "--max-memory", "1G", "--out", str(tmp_path / "l")]
+    )
     assert res.exit_code == 2 and "--max-memory does not apply" in res.stderr, res.output
     assert not (tmp_path / "l").exists()
 
@@ -312,3 +320,17 @@ def test_captures_with_module_boundaries_get_the_local_culprit_and_the_op_class(
     assert born["B"]["source"] == "local replay"
     assert doc["explain"]["B"]["top"] == "activation" and "A" not in doc["explain"]
     assert "explain-A: skipped" in res.stderr
+
+
+def test_nproc_spreads_the_replays_over_ranks_and_gives_the_same_answer(runs, judged, tmp_path):
+    """--nproc 2: the band's members run on 2 ranks (its manifest records them) and the answer is the same."""
+    from oracle.bundle.store import Bundle
+
+    work = tmp_path / "work"
+    res = subprocess.run([sys.executable, "-m", "oracle", "judge", str(runs / "h20" / "pre"), str(runs / "npu" / "pre"),
+                          "--out", str(work), "--nproc", "2", "--threads", "1", *ARGS], capture_output=True, text=True,
+                         env=_env(), cwd=REPO, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert Bundle(work / "band-fp32").get("ranks") == 2
+    assert res.stdout.splitlines()[0] == judged[1].stdout.splitlines()[0]
+    assert "replayed" not in res.stdout.split("\n\n")[0]  # the replays' own lines go to the progress stream

@@ -71,7 +71,7 @@ def farther(score: dict[str, Any]) -> dict[str, Any]:
     lost = {nm: sum(1 for r in cmp["per_layer"] if r["closest"] not in (None, nm)) for nm in names}
     worst = max(lost, key=lost.get)
     run = worst if list(lost.values()).count(lost[worst]) == 1 else None
-    text = (f"{run} is farther from the truth in {lost[run]}/{n} layers" if run else "neither run is farther overall (a tie)")
+    text = f"{run} is farther from the truth in {lost[run]}/{n} layers" if run else "neither run is farther overall (a tie)"
     text += " (" + ", ".join(f"{nm} closer in {cmp['layers_won'][nm]}" for nm in names) + ")"
     return {"run": run, "layers_lost": lost, "layers_won": cmp["layers_won"], "per_layer": cmp["per_layer"], "text": text}
 
@@ -174,7 +174,10 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
             rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature",
                          "text": f"not a plain scale ({p['name']}: cosine {p['cosine']:.6f}, norm ratio {p['norm_ratio']:.6g}); "
                                  "which op class needs module boundaries (capture --modules, then explain)"})  # fmt: skip
-    return {"per_run": rows, "text": "; ".join(f"{r['run']}: {r['class'] or 'undetermined'}" for r in rows) or "no error to explain"}
+    return {
+        "per_run": rows,
+        "text": "; ".join(f"{r['run']}: {r['class'] or 'undetermined'}" for r in rows) or "no error to explain",
+    }
 
 
 def not_concluded(score, local, runs, logs) -> list[str]:
@@ -191,8 +194,10 @@ def not_concluded(score, local, runs, logs) -> list[str]:
         out.append("oracle: " + score["oracle"]["warning"])
     if not logs:
         out.append("no grad-norm logs given: the runs' own printed norms were not checked against the truth")
-    out.append("the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
-               f"(the margin, {score['margin']:g}x, covers those)")
+    out.append(
+        "the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
+        f"(the margin, {score['margin']:g}x, covers those)"
+    )
     return out
 
 
@@ -209,7 +214,9 @@ def headline(noise_a: dict, born_a: dict, ops: dict) -> str:
     return "answer: " + "; ".join(parts)
 
 
-def build(score: dict[str, Any], runs: list[dict[str, Any]], *, local: dict, explained: dict, logs: dict | None) -> dict[str, Any]:
+def build(
+    score: dict[str, Any], runs: list[dict[str, Any]], *, local: dict, explained: dict, logs: dict | None
+) -> dict[str, Any]:
     m = score["margin"]
     for c in score["captures"]:  # the loss-token count, for the convention check
         run = next(r for r in runs if r["name"] == c["name"])

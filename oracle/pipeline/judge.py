@@ -92,8 +92,13 @@ def _replay_cmd(cap: Path, out: Path, dtype: str, ensemble: int, budget: str | N
     return cmd + (["--threads", str(threads)] if threads else [])
 
 
-def _subprocess(cmd: list[str], what: str) -> None:
-    rc = subprocess.call(cmd)
+def _subprocess(cmd: list[str], what: str, echo: Callable[[str], None]) -> None:
+    """Run a replay stage as ``oracle replay --nproc``; its stdout goes to the progress stream (the
+    judge's stdout is the report), its stderr (progress bars, errors) passes through."""
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    for line in res.stdout.splitlines():
+        echo(f"  {line}")
+    rc = res.returncode
     if rc:
         raise StageFailed(f"{what} stopped (exit {rc}): {' '.join(cmd)}; rerun `oracle judge` to resume", rc)
 
@@ -119,6 +124,9 @@ class Judge:
 
         self.budget = parse_size(max_memory) if max_memory else None
 
+    def _echo(self, s: str) -> None:
+        (self.echo or (lambda x: print(x, file=sys.stderr, flush=True)))(s)
+
     # -- stage bodies ------------------------------------------------------------------------
     def _merge(self, kind: str, path: Path, out: Path, overwrite: bool) -> Path:
         if kind == "capture":
@@ -130,7 +138,9 @@ class Judge:
     def _replay(self, cap: Path, out: Path, overwrite: bool, dtype: str, ensemble: int = 1) -> None:
         tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
         if self.nproc > 1 and tp_ok:
-            _subprocess(_replay_cmd(cap, out, dtype, ensemble, self.max_memory, self.nproc, self.threads), f"replay {dtype}")
+            _subprocess(
+                _replay_cmd(cap, out, dtype, ensemble, self.max_memory, self.nproc, self.threads), f"replay {dtype}", self._echo
+            )
             return
         from ..replay.run import replay
 
@@ -140,7 +150,7 @@ class Judge:
     def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
         if self.nproc > 1:
             _subprocess(_replay_cmd(cap, out, "fp64", 1, None, self.nproc, self.threads, local=True, members=self.members),
-                        "local replay")  # fmt: skip
+                        "local replay", self._echo)  # fmt: skip
             return
         from ..replay.local import replay_local
 
@@ -174,7 +184,7 @@ class Judge:
         from ..replay.streaming.plan import plan
 
         est: dict[str, dict[str, float]] = {}
-        for (k, p), n, c in zip(self.inputs, self.names, caps):
+        for (k, p), n in zip(self.inputs, self.names):
             if k == "ranks":
                 size = sum(f.stat().st_size for f in p.rglob("*.safetensors"))
                 est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
@@ -187,7 +197,12 @@ class Judge:
             est[f"band-{prec}"] = {"seconds": q["estimated_seconds"] * self.ensemble, "flops": q["total_flops"] * self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
         grads = base["disk"]["gradients"]
-        est["score"] = {"seconds": 3 * grads / 500e6, "flops": 0, "memory": 4 * base["memory"]["fixed_without_process"] // 4, "disk": 0}
+        est["score"] = {
+            "seconds": 3 * grads / 500e6,
+            "flops": 0,
+            "memory": 4 * base["memory"]["fixed_without_process"] // 4,
+            "disk": 0,
+        }
         for c, n in zip(caps, self.names):
             if c.get("modules"):  # each module once in fp64, ``members`` times emulated, its device run
                 f = base["total_flops"] * (2 + self.members) / 4
@@ -198,7 +213,12 @@ class Judge:
                 est[f"explain-{n}"] = {"seconds": 22 * base["estimated_seconds"] / max(base["units"], 1) / 4,
                                        "flops": 0, "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         if self.logs:
-            est["logs"] = {"seconds": base["estimated_seconds"] / 4, "flops": 0, "memory": base["memory"]["peak_estimate"], "disk": 0}
+            est["logs"] = {
+                "seconds": base["estimated_seconds"] / 4,
+                "flops": 0,
+                "memory": base["memory"]["peak_estimate"],
+                "disk": 0,
+            }
         est["report"] = {"seconds": 2, "flops": 0, "memory": 0, "disk": 1 << 20}
         return est
 
@@ -240,7 +260,11 @@ class Judge:
         # the bands' precisions are known before merging: a merge keeps its ranks' precision
         precs = []
         for k, p in self.inputs:
-            b = Bundle(p) if k == "capture" else Bundle(next(iter(sorted(x for x in p.iterdir() if (x / "manifest.json").is_file())), p))
+            b = (
+                Bundle(p)
+                if k == "capture"
+                else Bundle(next(iter(sorted(x for x in p.iterdir() if (x / "manifest.json").is_file())), p))
+            )
             precs.append(b)
         order = self.stage_names(self.precisions(precs))
         progress = Progress(len(order), echo=self.echo)

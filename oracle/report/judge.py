@@ -95,7 +95,9 @@ def _html(doc: dict[str, Any], png: str) -> str:
         sub = "".join(f"<li>{e(x.strip())}</li>" for x in _per_run_lines(key, a[key]))
         parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b><br>{e(a[key]['text'])}<ul>{sub}</ul></li>")
     parts.append("</ol><h2>Not concluded</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in doc["not_concluded"]) + "</ul>")
-    parts.append("<h2>Verdicts</h2><table id='verdicts'><tr><th>run</th><th>precision</th><th>band</th><th>class</th><th>verdict</th></tr>")
+    parts.append(
+        "<h2>Verdicts</h2><table id='verdicts'><tr><th>run</th><th>precision</th><th>band</th><th>class</th><th>verdict</th></tr>"
+    )
     for r in a["noise"]["per_run"]:
         parts.append(f"<tr class='{r['class']}'><td>{e(r['run'])}</td><td>{e(r['precision'])}</td><td>{e(r['band'])}</td>"
                      f"<td>{r['class']}</td><td style='text-align:left'>{e(r['text'])}</td></tr>")  # fmt: skip
@@ -105,7 +107,9 @@ def _html(doc: dict[str, Any], png: str) -> str:
     for c in doc["score"]["captures"]:
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
         parts.append(f"<h3>{e(c['name'])} ({e(c['precision'])}), per layer, loss end first</h3>")
-        parts.append(f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>")
+        parts.append(
+            f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"
+        )
         for r in c["layers"]:
             parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
                          f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
