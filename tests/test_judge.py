@@ -154,7 +154,8 @@ def test_the_logs_alone_say_what_they_show_what_they_cannot_and_how_to_capture(t
     assert "910B/H20 gradient-norm ratio" in out and "toward the input" in out
     assert "Parameter kind that stands out" in out
     assert "what cannot be concluded without a capture" in out and "which run is right" in out
-    assert "capture_rank(model" in out and "H20 (CUDA)" in out and "910B (NPU)" in out and "oracle judge h20/pre 910b/pre" in out
+    assert "capture_rank(model" in out and "H20 (Megatron-LM core / ms-swift)" in out and "910B (MindSpeed)" in out
+    assert "oracle judge h20/pre 910b/pre --recipe qwen3-vl --name H20 --name 910B" in out
     doc = json.loads((tmp_path / "logs" / "judge.json").read_text())
     assert doc["kind"] == "oracle-judge-logs" and doc["schema_version"] == 1 and doc["compare"]["layers"]
 
@@ -334,3 +335,23 @@ def test_nproc_spreads_the_replays_over_ranks_and_gives_the_same_answer(runs, ju
     assert Bundle(work / "band-fp32").get("ranks") == 2
     assert res.stdout.splitlines()[0] == judged[1].stdout.splitlines()[0]
     assert "replayed" not in res.stdout.split("\n\n")[0]  # the replays' own lines go to the progress stream
+
+
+def test_a_run_without_inputs_is_scored_against_the_truth_replayed_from_the_other(runs, judged, tmp_path):
+    """Run A holds no inputs (as an msprobe import): the truth is replayed from B, and A is still judged against it."""
+    from oracle.bundle.store import Bundle, BundleWriter
+
+    work, _ = judged
+    b = Bundle(work / "merge-H20")
+    bare = tmp_path / "h20-no-inputs"
+    with BundleWriter(bare, "capture") as w:
+        w.manifest.update({k: v for k, v in b.manifest.items() if k not in ("tensors", "schema_version", "kind", "megatron")})
+        for group in ("weights", "grads"):
+            w.add(group, b.load_group(group))
+    res = CliRunner().invoke(app, ["judge", str(bare), str(work / "merge-NPU"), "--name", "H20", "--name", "NPU", "--ensemble", "2",
+                                   "--out", str(tmp_path / "w")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "truth: replay NPU in float64" in res.stderr
+    assert res.stdout.splitlines()[0].startswith("answer: NPU is faulty (beyond its own noise band); born in model.layers.1.mlp")
+    doc = json.loads((tmp_path / "w" / "report" / "judge.json").read_text())
+    assert any("same step not verified for its inputs" in x for x in doc["not_concluded"])

@@ -103,6 +103,11 @@ def _subprocess(cmd: list[str], what: str, echo: Callable[[str], None]) -> None:
         raise StageFailed(f"{what} stopped (exit {rc}): {' '.join(cmd)}; rerun `oracle judge` to resume", rc)
 
 
+def replayable(caps: list[Bundle]) -> int:
+    """Which run the truth is replayed from: A, unless A holds no inputs and B does."""
+    return 1 if not caps[0].names("inputs") and caps[1].names("inputs") else 0
+
+
 class Judge:
     def __init__(self, run_a: str | Path, run_b: str | Path, *, out: str | Path, recipe: str | None = None,
                  names: list[str] | None = None, logs: list[str | Path] = (), max_memory: str | None = None,
@@ -188,12 +193,12 @@ class Judge:
             if k == "ranks":
                 size = sum(f.stat().st_size for f in p.rglob("*.safetensors"))
                 est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
-        base = plan(caps[0], "fp64", streamed=self.budget is not None, budget=self.budget)
+        base = plan(caps[replayable(caps)], "fp64", streamed=self.budget is not None, budget=self.budget)
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         est["truth"] = {"seconds": base["estimated_seconds"], "flops": base["total_flops"],
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base)}  # fmt: skip
         for prec in self.precisions(caps):
-            q = plan(caps[0], prec, streamed=self.budget is not None, budget=self.budget)
+            q = plan(caps[replayable(caps)], prec, streamed=self.budget is not None, budget=self.budget)
             est[f"band-{prec}"] = {"seconds": q["estimated_seconds"] * self.ensemble, "flops": q["total_flops"] * self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
         grads = base["disk"]["gradients"]
@@ -225,7 +230,8 @@ class Judge:
     def dry_run(self) -> str:
         with tempfile.TemporaryDirectory(prefix=".oracle-judge-dry-") as tmp:
             caps = [Bundle(self._merge(k, p, Path(tmp) / n, False)) for (k, p), n in zip(self.inputs, self.names)]
-            check_same_step(caps[0], caps[1], self.names[1])
+            src = replayable(caps)
+            check_same_step(caps[src], caps[1 - src], self.names[1 - src])
             est = self.estimates(caps)
             order = self.stage_names(self.precisions(caps))
         lines = [f"dry run: oracle judge {self.names[0]} vs {self.names[1]}: {len(order)} stages"
@@ -278,21 +284,22 @@ class Judge:
             else:
                 caps_p.append(p)
         caps = [Bundle(p) for p in caps_p]
-        check_same_step(caps[0], caps[1], self.names[1])  # before any replay: exit 5 on another step
+        src = replayable(caps)  # the run whose capture holds the inputs (an msprobe import holds none)
+        check_same_step(caps[src], caps[1 - src], self.names[1 - src])  # before any replay: exit 5 on another step
         if self.stage_names(self.precisions(caps)) != order:
             order = self.stage_names(self.precisions(caps))
             progress.total = len(order)
         progress.estimates = self.estimates(caps)
         progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
         budget = {"max_memory": self.budget}
-        truth = st.bundle("truth", f"replay {self.names[0]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),
-                          {**budget, "threads": self.threads, "nproc": self.nproc}, [caps_p[0]],
-                          lambda out, ow: self._replay(caps_p[0], out, ow, "fp64"))  # fmt: skip
+        truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),
+                          {**budget, "threads": self.threads, "nproc": self.nproc}, [caps_p[src]],
+                          lambda out, ow: self._replay(caps_p[src], out, ow, "fp64"))  # fmt: skip
         bands = []
         for prec in self.precisions(caps):
             bands.append(st.bundle(f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
                                    {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc},
-                                   [caps_p[0]], lambda out, ow, prec=prec: self._replay(caps_p[0], out, ow, prec, self.ensemble)))  # fmt: skip
+                                   [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
         from ..score.scorer import score as do_score
 
         result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin},
@@ -365,26 +372,31 @@ def logs_against_truth(truth: Path, logs: list[Path], names: list[str]) -> dict[
 
 
 CAPTURE_COMMANDS = """\
-On each cluster, in the training script (Megatron-LM core / ms-swift on the H20, MindSpeed on the 910B), capture the
-same step (same weights, same batch; pin the seed and the data order) right after the last backward and before
-finalize_model_grads, so the gradients are the ones the norms were printed from:
+On each cluster, in the training script, capture the same step (same weights and batch: pin the seed and
+the data order) right after the last backward and before finalize_model_grads, the point the norms were
+printed at:
 
     from oracle.integrations.megatron.hook import capture_rank
-    capture_rank(model, "{dir}/pre", stage="pre-finalize", batch=batch, loss=loss, num_tokens=n_tokens,
+    capture_rank(model, CAPTURE_DIR, stage="pre-finalize", batch=batch, loss=loss, num_tokens=n_tokens,
                  vocab_size=tokenizer.vocab_size, packed_seq_params=packed_seq_params)
 
-  H20 (CUDA):   run the training step with that call, e.g. under torchrun as usual; then copy h20/pre to the CPU host
-  910B (NPU):   the same call in MindSpeed's training step (torch_npu); copy 910b/pre to the CPU host
-Then on the CPU host, one command:
+  {a} (Megatron-LM core / ms-swift):  CAPTURE_DIR = "{da}/pre"; run the step as usual (torchrun)
+  {b} (MindSpeed):                    CAPTURE_DIR = "{db}/pre"; the same call in MindSpeed's step
+Copy both folders to one CPU host, then:
 
-    oracle judge h20/pre 910b/pre --recipe qwen3-vl --name H20 --name 910B --out judge/ --max-memory 48G \\
+    oracle judge {da}/pre {db}/pre --recipe qwen3-vl --name {a} --name {b} --out judge/ --max-memory 48G \\
         --log-a {log_a} --log-b {log_b}
 
-Or, outside Megatron, with the tool's own capture (one sample, module boundaries for the local replay):
+Outside Megatron, with the tool's own capture (one sample, with module boundaries for the local replay):
 
-    oracle capture --out h20.bundle --model Qwen3-VL-8B-Instruct --sample train.jsonl --index 0 --device cuda --precision bf16 --modules all
-    oracle capture --out 910b.bundle --model Qwen3-VL-8B-Instruct --sample train.jsonl --index 0 --device npu --precision bf16 --modules all
+    oracle capture --out {da}.bundle --model DIR --sample train.jsonl --index 0 --device cuda --precision bf16 --modules all
+    oracle capture --out {db}.bundle --model DIR --sample train.jsonl --index 0 --device npu --precision bf16 --modules all
+    oracle judge {da}.bundle {db}.bundle --name {a} --name {b} --out judge/
 """
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name.lower()) or "run"
 
 
 def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | None) -> dict[str, Any]:
@@ -407,7 +419,7 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     ]
     doc = {"schema_version": answers_mod.SCHEMA_VERSION, "kind": "oracle-judge-logs", "names": list(labels),
            "shows": shows, "cannot_conclude": cannot,
-           "capture_commands": CAPTURE_COMMANDS.format(dir="$CAPTURE_DIR", log_a=log_a, log_b=log_b), "compare": cmp,
+           "capture_commands": CAPTURE_COMMANDS.format(a=labels[0], b=labels[1], da=_slug(labels[0]), db=_slug(labels[1]), log_a=log_a, log_b=log_b), "compare": cmp,
            "compare_text": normlog.render_compare(cmp)}  # fmt: skip
     if out is not None:
         from ..bundle.jsonio import write_json
