@@ -355,3 +355,26 @@ def test_a_run_without_inputs_is_scored_against_the_truth_replayed_from_the_othe
     assert res.stdout.splitlines()[0].startswith("answer: NPU is faulty (beyond its own noise band); born in model.layers.1.mlp")
     doc = json.loads((tmp_path / "w" / "report" / "judge.json").read_text())
     assert any("same step not verified for its inputs" in x for x in doc["not_concluded"])
+
+
+@pytest.mark.parametrize(
+    "plant,finding",
+    [(lambda n, g: g * 2.0, "loss convention / normalisation mismatch: a global scale explains the error: c = 0.5"),
+     (lambda n, g: g * 2.0 if n.endswith(("layernorm.weight", "norm.weight")) else g,
+      "is a partial sum before finalize")],
+    ids=["loss-convention", "partial-sums"],
+)  # fmt: skip
+def test_the_framework_findings_name_a_loss_convention_and_unreduced_partial_sums(judged, tmp_path, plant, finding):
+    """All gradients x2 is a loss-convention mismatch (c = 0.5); only the norm weights x2 are partial sums counted twice."""
+    from helpers import rewrite_grads
+
+    work, _ = judged
+    bad = rewrite_grads(str(work / "merge-H20"), str(tmp_path / "bad"), plant)  # the honest run, one fault planted
+    res = CliRunner().invoke(app, ["judge", str(work / "merge-H20"), bad, "--name", "H20", "--name", "NPU", "--ensemble", "2",
+                                   "--out", str(tmp_path / "w")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "w" / "report" / "judge.json").read_text())
+    born = {r["run"]: r for r in doc["answers"]["born"]["per_run"]}
+    assert any(finding in f for f in born["NPU"]["framework"]), born["NPU"]["framework"]
+    assert not born["H20"]["framework"]
+    assert finding in res.stdout
