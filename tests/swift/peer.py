@@ -112,6 +112,11 @@ def make_args(model_dir: str, tp: int, sp: bool, dtype: str):
             a[f.name] = f.default_factory()
     hf = AutoConfig.from_pretrained(model_dir)
     a.update(convert_hf_config(hf))
+    ns = SimpleNamespace(**a)
+    MegatronArguments._set_default(ns)  # ms-swift's own defaults (biases off, qk norm, ...), as __post_init__
+    a = vars(ns)
+    a["add_bias_linear"] = not a["disable_bias_linear"]  # as Megatron-LM's argument parser derives it
+    a["group_query_attention"] = a["num_query_groups"] > 1  # as MegatronArguments.__post_init__ sets it
     bf16 = dtype == "bf16"
     a.update(
         model_dir=model_dir, hf_model_type="qwen3_vl", is_multimodal=True, task_type="causal_lm",
@@ -135,7 +140,7 @@ def make_args(model_dir: str, tp: int, sp: bool, dtype: str):
         rotary_seq_len_interpolation_factor=None, fp16_lm_cross_entropy=False, enable_dft_loss=False,
         enable_channel_loss=False, check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=False,
         distributed_timeout_minutes=10, use_hf=False, hub_token=None, qk_l2_norm=False, fp8=None,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, seq_length=None,
+        seq_length=None,
         variable_seq_lengths=True, deterministic_mode=False, use_distributed_optimizer=False,
     )  # fmt: skip
     return SimpleNamespace(**a)
