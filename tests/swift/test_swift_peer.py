@@ -6,16 +6,19 @@ Runs in the pinned environment only (``bash .ci/swift-env``, then
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 
 import pytest
 
-swift = pytest.importorskip(
-    "swift", reason="ms-swift is not importable here: the swift peer runs in .venv-swift (bash .ci/swift-env)"
-)
-if not sys.modules["swift"].__version__.startswith("3.12"):
-    pytest.skip(f"ms-swift {swift.__version__} here, the peer pins 3.12.1", allow_module_level=True)
+try:
+    SWIFT = importlib.metadata.version("ms-swift")
+except importlib.metadata.PackageNotFoundError:
+    SWIFT = None
+if SWIFT is None or not SWIFT.startswith("3.12"):
+    pytest.skip(f"ms-swift 3.12 is not installed here ({SWIFT}): the swift peer runs in .venv-swift "
+                "(bash .ci/swift-env)", allow_module_level=True)  # fmt: skip
 
 import torch  # noqa: E402
 
