@@ -2,7 +2,7 @@
 
 Exit codes: ``oracle.errors.EXIT_CODES`` is the one table (``oracle --help`` prints it, README.md
 repeats it and a test checks that the two agree). Closed choices are Enums derived from the tables
-they come from (precision names from ``oracle/precision.py``); typer refuses anything else with a
+they come from (precision names from ``oracle/precision/__init__.py``); typer refuses anything else with a
 usage error (exit 2), as it does unknown options and missing arguments.
 """
 
@@ -16,7 +16,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import typer
+try:
+    import typer
+except ImportError:  # the capture-only install (training environment): no CLI there; exit 2, a usage error
+    print(
+        "oracle: this environment has the capture side only (oracle.Capture, the Megatron hook, ORACLE_CAPTURE); "
+        'the command line runs on the CPU host: pip install "oracle-fp64[host]"',
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 from oracle import precision as precisions
 from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error
@@ -114,8 +122,8 @@ def capture(
 ) -> None:  # fmt: skip
     """Take one training step of one sample and write a capture bundle."""
     from oracle import recipe
-    from oracle.samples import read_sample
-    from oracle.steps import capture_recipe_step
+    from oracle.capture.samples import read_sample
+    from oracle.capture.steps import capture_recipe_step
 
     _check_device(device.value)
     r = recipe.for_model(model)
@@ -141,7 +149,7 @@ def capture(
     capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
                         reduction=loss_reduction.value, seed=seed, overwrite=overwrite, modules=modules,
                         module_budget_mb=budget_mb, echo=typer.echo)  # fmt: skip
-    from oracle.bundle import Bundle
+    from oracle.bundle.store import Bundle
 
     b = Bundle(out)
     typer.echo(f"captured {r.name} ({src.origin}) on {device.value} in {precision.value}: loss "
@@ -170,34 +178,34 @@ def replay(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
-    if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/launch.py); rank 0 prints the result
-        from oracle.launch import argv_of, launch
+    if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/parallel/launch.py); rank 0 prints the result
+        from oracle.parallel.launch import argv_of, launch
 
         raise typer.Exit(code=launch(nproc, argv_of(ctx), threads))
     import os
 
     import torch
 
-    from oracle.bundle import Bundle
-    from oracle.replay import replay as do_replay
+    from oracle.bundle.store import Bundle
+    from oracle.replay.run import replay as do_replay
 
     torch.set_num_threads(
         threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads or os.cpu_count() or 1
     )
     budget = None
     if max_memory is not None:
-        from oracle.stream import parse_size
+        from oracle.replay.streaming.engine import parse_size
 
         budget = parse_size(max_memory)
     if dry_run:
-        from oracle import plan
+        from oracle.replay.streaming import plan
 
         typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
         return
-    from oracle import distributed
+    from oracle.parallel import distributed
 
     if local:
-        from oracle.local import replay_local
+        from oracle.replay.local import replay_local
 
         if dtype.value != "fp64":
             raise UsageError("--local replays each module in fp64 (and emulates the capture's precision itself); drop --dtype")
@@ -245,18 +253,18 @@ def score(
     force_band: Annotated[bool, typer.Option("--force-band", help="Use a --band of another precision than the capture's (the verdict then carries a warning).")] = False,
 ) -> None:  # fmt: skip
     """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
-    from oracle.bundle import Bundle
-    from oracle.jsonio import write_json
-    from oracle.tolerance import parse_overrides
+    from oracle.bundle.jsonio import write_json
+    from oracle.bundle.store import Bundle
+    from oracle.score.tolerance import parse_overrides
 
     overrides = parse_overrides(tol or [])
     first = Bundle(oracle)
     if first.kind == "local":
         if captures:
             raise UsageError("a local replay is scored alone: give no captures")
-        from oracle.render import render_local
-        from oracle.report import write_local_report
-        from oracle.score_local import score_local
+        from oracle.report.files import write_local_report
+        from oracle.report.text import render_local
+        from oracle.score.local import score_local
 
         result = score_local(first, margin=margin, tol_overrides=overrides, band_paths=band or [])
         typer.echo(render_local(result))
@@ -266,9 +274,9 @@ def score(
             raise UsageError("give at least one capture to score against the oracle")
         if name and len(name) != len(captures):
             raise UsageError(f"--name given {len(name)} times for {len(captures)} captures")
-        from oracle.render import render
-        from oracle.report import write_report
-        from oracle.score import score as do_score
+        from oracle.report.files import write_report
+        from oracle.report.text import render
+        from oracle.score.scorer import score as do_score
 
         result = do_score(oracle, captures, band_paths=band or [], margin=margin, tol_overrides=overrides,
                           names=name or None, force_band=force_band)  # fmt: skip
@@ -293,8 +301,8 @@ def compare_logs(
     rank: LogRank = None,
 ) -> None:
     """Compare two gradient-norm logs side by side, without an oracle (what can and cannot be concluded)."""
-    from oracle import normlog
-    from oracle.jsonio import write_json
+    from oracle.bundle.jsonio import write_json
+    from oracle.integrations import normlog
 
     if len(logs) != 2:
         raise UsageError(f"compare-logs takes exactly two log files, got {len(logs)}")
@@ -322,7 +330,7 @@ def import_log(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts."""
-    from oracle import normlog
+    from oracle.integrations import normlog
 
     parsed = normlog.parse(log, pattern=pattern, occurrence=occurrence, step=step, rank=rank)
     normlog.write_norm_bundle(parsed, out, precision=precision.value, overwrite=overwrite)
@@ -332,7 +340,7 @@ def import_log(
 @app.command()
 @user_errors
 def merge(
-    ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.megatron.capture_rank, or folders of them.")],
+    ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.integrations.megatron.hook.capture_rank, or folders of them.")],
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
     hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (needed for qwen3-vl and msprobe imports).")] = None,
@@ -340,8 +348,8 @@ def merge(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture."""
-    from oracle.bundle import Bundle
-    from oracle.megatron.merge import merge_ranks
+    from oracle.bundle.store import Bundle
+    from oracle.integrations.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
 
     config = load_hf_config(hf_config) if hf_config is not None else None
@@ -377,9 +385,9 @@ def rank_view_cmd(
     occurrence: Occurrence = None,
 ) -> None:  # fmt: skip
     """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
-    from oracle.bundle import Bundle
-    from oracle.megatron.rankview import compare_logs as compare_view_logs
-    from oracle.megatron.rankview import compare_rank, rank_view, recorded_layout
+    from oracle.bundle.store import Bundle
+    from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
+    from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
 
     st = stage.value if stage is not None else None
     warnings: list[str] = []
@@ -399,7 +407,7 @@ def rank_view_cmd(
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
     if logs:
-        from oracle import normlog
+        from oracle.integrations import normlog
 
         parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
         labels = name or [p.stem for p in logs]
@@ -422,8 +430,8 @@ def import_msprobe(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics)."""
-    from oracle.bundle import Bundle
-    from oracle.msprobe import import_dump
+    from oracle.bundle.store import Bundle
+    from oracle.integrations.msprobe import import_dump
 
     import_dump(dump, out, step=step, rank=rank, precision=precision.value, megatron_tp=megatron_tp, megatron_rank=rank,
                 megatron_dp=megatron_dp, megatron_pp=megatron_pp, sequence_parallel=sp, stage=stage.value,
@@ -445,7 +453,7 @@ def demo(
     ensemble: Annotated[int, typer.Option(min=1, help="Members of the emulated noise band.")] = 4,
 ) -> None:
     """The main job on the embedded tiny Qwen3-VL: capture amp-bf16 and fp32, replay fp64, score."""
-    from oracle.demo import run_demo
+    from oracle.pipeline.demo import run_demo
 
     typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
 
@@ -462,10 +470,10 @@ def explain(
     report: Annotated[Path | None, typer.Option(help="Write explain.json and an HTML page here.")] = None,
 ) -> None:
     """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
-    from oracle.explain import explain as do_explain
-    from oracle.jsonio import write_json
-    from oracle.render import render_explain
-    from oracle.report import write_explain_report
+    from oracle.bundle.jsonio import write_json
+    from oracle.report.files import write_explain_report
+    from oracle.report.text import render_explain
+    from oracle.score.explain import explain as do_explain
 
     res = do_explain(capture, module, fmt=fmt)
     typer.echo(render_explain(res))

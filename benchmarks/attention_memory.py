@@ -4,7 +4,7 @@
 
 For each sequence length T: causal attention forward + backward in float64, (1, H, T, 64) queries,
 once by eager attention (scores, softmax and their gradients: T x T per head) and once by
-oracle.attention.chunked_attention. Each run is a fresh child process; its peak is the growth of
+oracle.replay.attention.chunked_attention. Each run is a fresh child process; its peak is the growth of
 its maximum resident set size (ru_maxrss) over the inputs alone. Printed: both peaks, their ratio
 (chunked / eager: the target is well below 1 and falling with T), and both times.
 """
@@ -22,7 +22,7 @@ import time
 def child(impl: str, T: int, H: int, Hkv: int, chunk: int) -> None:
     import torch
 
-    from oracle.attention import chunked_attention
+    from oracle.replay.attention import chunked_attention
 
     torch.manual_seed(0)
     q = torch.randn(1, H, T, 64, dtype=torch.float64, requires_grad=True)

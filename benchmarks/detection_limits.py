@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from oracle import recipe as recipes
-from oracle.bundle import Bundle
-from oracle.local import replay_local
-from oracle.replay import replay
-from oracle.score import score
-from oracle.score_local import score_local
-from oracle.steps import capture_recipe_step
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
+from oracle.replay.local import replay_local
+from oracle.replay.run import replay
+from oracle.score.local import score_local
+from oracle.score.scorer import score
 
 MODULES = r"layers\.\d+\.(self_attn|mlp)$|visual\.blocks\.\d+$|visual\.merger$"
 

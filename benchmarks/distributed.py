@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from streaming import QWEN3_B, text_inputs, write_capture  # noqa: E402
 
-from oracle.bundle import Bundle  # noqa: E402
+from oracle.bundle.store import Bundle  # noqa: E402
 
 
 def timed(args: list[str]) -> tuple[float, float, float]:

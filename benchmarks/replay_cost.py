@@ -18,10 +18,10 @@ import time
 import torch
 
 from oracle import recipe as recipes
-from oracle.bundle import Bundle
-from oracle.numerics import PrecisionMode
-from oracle.replay import run_step
-from oracle.steps import build_model, capture_recipe_step
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import build_model, capture_recipe_step
+from oracle.precision.mode import PrecisionMode
+from oracle.replay.run import run_step
 
 
 def timed(fn, repeat):

@@ -28,12 +28,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oracle.bundle import Bundle, BundleWriter  # noqa: E402
-from oracle.capture import versions  # noqa: E402
-from oracle.materialize import skeleton  # noqa: E402
-from oracle.packing import cu_seqlens  # noqa: E402
-from oracle.plan import gemm_rate, plan  # noqa: E402
+from oracle.bundle.store import Bundle, BundleWriter  # noqa: E402
+from oracle.capture.api import versions  # noqa: E402
+from oracle.capture.packing import cu_seqlens  # noqa: E402
 from oracle.recipe import get  # noqa: E402
+from oracle.replay.streaming.materialize import skeleton  # noqa: E402
+from oracle.replay.streaming.plan import gemm_rate, plan  # noqa: E402
 
 QWEN3_B = {"model_type": "qwen3", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
@@ -247,7 +247,7 @@ def bench_e(d: Path, tokens: int) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import oracle
-    from oracle.loss import causal_lm_loss
+    from oracle.replay.loss import causal_lm_loss
 
     cfg = dict(QWEN3_B)
     cfg.pop("model_type")

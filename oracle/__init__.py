@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
-_LAZY = {"Bundle": ".bundle", "BundleWriter": ".bundle", "Capture": ".capture"}
+_LAZY = {"Bundle": ".bundle.store", "BundleWriter": ".bundle.store", "Capture": ".capture.api"}
 __all__ = ["Bundle", "BundleWriter", "Capture", "__version__"]
 
 if TYPE_CHECKING:
-    from .bundle import Bundle, BundleWriter
-    from .capture import Capture
+    from .bundle.store import Bundle, BundleWriter
+    from .capture.api import Capture
 
 
 def __getattr__(name: str) -> Any:

@@ -33,10 +33,10 @@ class Recipe:
     name: str = ""
     #: model names this recipe embeds (``oracle capture --model NAME``), e.g. ``tiny-qwen3-vl``
     embedded: tuple[str, ...] = ()
-    #: mcore parameter name templates -> HF names (oracle/megatron/names.py), for Megatron captures
+    #: mcore parameter name templates -> HF names (oracle/integrations/megatron/names.py), for Megatron captures
     megatron_names: dict[str, str] = {}
     #: tensor-parallel plan (module path pattern -> colwise / rowwise / replicated_with_grad_allreduce)
-    #: for text models whose transformers config ships no layer plan (oracle/tensor_parallel.py)
+    #: for text models whose transformers config ships no layer plan (oracle/parallel/tensor_parallel.py)
     tp_plan: dict[str, str] = {}
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
@@ -59,7 +59,7 @@ class Recipe:
         raise NotImplementedError
 
     def pack_inputs(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Several samples' inputs (from ``prepare_inputs``) as one packed sequence (oracle/packing.py)."""
+        """Several samples' inputs (from ``prepare_inputs``) as one packed sequence (oracle/capture/packing.py)."""
         raise RecipeError(f"recipe {self.name!r} cannot pack samples")
 
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
@@ -81,7 +81,7 @@ class Recipe:
 
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         """``((major, minor), label)`` of the layer ``name`` belongs to; sorting by the tuple walks
-        the backward pass from the loss end (oracle/layers.py groups with it). ``None``: unknown."""
+        the backward pass from the loss end (oracle/score/layers.py groups with it). ``None``: unknown."""
         raise NotImplementedError
 
 

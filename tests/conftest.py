@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from oracle import recipe as recipes
-from oracle.replay import replay
-from oracle.steps import capture_recipe_step
+from oracle.capture.steps import capture_recipe_step
+from oracle.replay.run import replay
 
 MODEL = "tiny-qwen3-vl"
 

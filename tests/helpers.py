@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from oracle.bundle import Bundle, BundleWriter
+from oracle.bundle.store import Bundle, BundleWriter
 
 
 def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> str:

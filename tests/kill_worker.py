@@ -28,14 +28,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import atomic  # noqa: E402
 from oracle import recipe as recipes  # noqa: E402
-from oracle.bundle import Bundle  # noqa: E402
+from oracle.bundle import atomic  # noqa: E402
+from oracle.bundle.store import Bundle  # noqa: E402
+from oracle.capture.steps import capture_recipe_step  # noqa: E402
 from oracle.errors import OutputExists  # noqa: E402
-from oracle.megatron.hook import capture_rank  # noqa: E402
-from oracle.megatron.merge import merge_ranks  # noqa: E402
-from oracle.replay import replay  # noqa: E402
-from oracle.steps import capture_recipe_step  # noqa: E402
+from oracle.integrations.megatron.hook import capture_rank  # noqa: E402
+from oracle.integrations.megatron.merge import merge_ranks  # noqa: E402
+from oracle.replay.run import replay  # noqa: E402
 
 HF = {"model_type": "qwen3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 0,
       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-6,

@@ -1,5 +1,5 @@
 """Real megatron-core 0.12.1 on CPU over gloo: a Qwen3-style GPTModel under Megatron's own DDP,
-one step captured with oracle.megatron.capture_rank before and after finalize_model_grads.
+one step captured with oracle.integrations.megatron.hook.capture_rank before and after finalize_model_grads.
 
 The CPU shims megatron-core needs live here, in test code, never in the library.
 Run as ``python tests/megatron_peer.py OUT TP SP`` (spawns TP processes) or through run_peer(),
@@ -82,8 +82,8 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from oracle.megatron.hook import capture_rank
-    from oracle.megatron.layout import padded_vocab
+    from oracle.integrations.megatron.hook import capture_rank
+    from oracle.integrations.megatron.layout import padded_vocab
 
     tp, sp, pp, per_token = opts["tp"], opts["sp"], opts["pp"], opts["per_token"]
     vocab = opts["vocab"]

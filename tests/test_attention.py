@@ -1,4 +1,4 @@
-"""Chunked float64 attention (oracle/attention.py) against eager attention, finite differences,
+"""Chunked float64 attention (oracle/replay/attention.py) against eager attention, finite differences,
 and transformers' own Qwen3-VL run with sdpa."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oracle import attention
-from oracle.attention import AttentionLayoutError, chunked_attention, packed
-from oracle.numerics import PrecisionMode
+from oracle.precision.mode import PrecisionMode
+from oracle.replay import attention
+from oracle.replay.attention import AttentionLayoutError, chunked_attention, packed
 
 F64 = torch.float64
 
@@ -148,7 +148,7 @@ def test_bad_layouts_are_errors():
 
 @pytest.fixture(scope="module")
 def vl(source):
-    from oracle.steps import build_model
+    from oracle.capture.steps import build_model
 
     def make(impl: str, chunk: int | None = None):
         mode = PrecisionMode(F64)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from oracle.metrics import rel_l2
-from oracle.numerics import PrecisionMode
+from oracle.precision.mode import PrecisionMode
 
 B, T, D, H = 2, 8, 32, 4
 FLOOR = 4 * 2.0**-24

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from oracle.bundle import Bundle, BundleWriter, value_sha256
+from oracle.bundle.store import Bundle, BundleWriter, value_sha256
 from oracle.errors import BundleError, InputNotFound, OutputExists
 
 

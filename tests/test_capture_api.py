@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import oracle
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
 from oracle.errors import RecipeError, UsageError
-from oracle.score import score
+from oracle.score.scorer import score
 
 
 class Tiny(torch.nn.Module):
@@ -68,7 +68,7 @@ def test_a_capture_without_recipe_can_be_scored_but_not_replayed(tmp_path):
     assert {r["name"] for r in cap["params"]} == {n for n, _ in model.named_parameters()}
     assert [lr["name"] for lr in cap["layers"]] == ["b", "a"]  # no recipe: reverse registration order
     assert cap["verdict"]["class"] == "within_noise" and 0 < cap["verdict"]["worst_rel_l2"] < 1e-6
-    from oracle.replay import replay
+    from oracle.replay.run import replay
 
     with pytest.raises(RecipeError, match="names no recipe"):
         replay(tmp_path / "c", tmp_path / "o2")
@@ -77,7 +77,7 @@ def test_a_capture_without_recipe_can_be_scored_but_not_replayed(tmp_path):
 
 
 def test_uncertified_oracle_is_flagged(fp32_capture, tmp_path):
-    from oracle.replay import replay
+    from oracle.replay.run import replay
 
     o = replay(fp32_capture, tmp_path / "o", verify="off")
     r = score(o, [fp32_capture])

@@ -66,7 +66,7 @@ def test_user_mistakes_get_a_message_and_an_exit_code_not_a_traceback(tmp_path, 
 
 
 def test_mismatched_and_existing_bundles(tmp_path, fp32_capture, oracle_bundle, source, sample):
-    from oracle.steps import capture_recipe_step
+    from oracle.capture.steps import capture_recipe_step
 
     other = dict(sample, messages=[*sample["messages"][:-1], {"role": "assistant", "content": "No."}])
     capture_recipe_step(source, other, str(tmp_path / "other"))

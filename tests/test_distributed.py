@@ -15,11 +15,11 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
 from oracle.errors import RankError
-from oracle.local import replay_local
-from oracle.replay import replay
-from oracle.steps import capture_recipe_step
+from oracle.replay.local import replay_local
+from oracle.replay.run import replay
 
 ROOT = Path(__file__).parent.parent
 CLI = [sys.executable, "-m", "oracle"]
@@ -151,7 +151,7 @@ def test_tensor_parallel_float64_oracle_equals_the_single_process_one(fp32_captu
 def test_the_tensor_parallel_plan_splits_heads_and_mlp_and_refuses_uneven_splits(monkeypatch, tmp_path, cap):
     from oracle import recipe as recipes
     from oracle.errors import UsageError
-    from oracle.tensor_parallel import check_divisible, plan_of
+    from oracle.parallel.tensor_parallel import check_divisible, plan_of
 
     r = recipes.get("qwen3")
     model = r.build(dict(r.load("tiny-qwen3").config))
@@ -174,7 +174,7 @@ def test_nproc_relaunches_the_same_command(cap, tmp_path, monkeypatch):
         seen.update(nproc=nproc, argv=argv, threads=threads)
         return 0
 
-    monkeypatch.setattr("oracle.launch.launch", fake)
+    monkeypatch.setattr("oracle.parallel.launch.launch", fake)
     r = CliRunner().invoke(app, ["replay", str(cap), "--out", str(tmp_path / "x"), "--dtype", "amp-bf16", "--ensemble", "3",
                                  "--max-memory", "2G", "--no-verify", "--nproc", "4", "--threads", "2"])  # fmt: skip
     assert r.exit_code == 0, r.output

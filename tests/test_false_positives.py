@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.local import replay_local
-from oracle.replay import replay
-from oracle.score import score
-from oracle.score_local import score_local
-from oracle.steps import capture_recipe_step
+from oracle.capture.steps import capture_recipe_step
+from oracle.replay.local import replay_local
+from oracle.replay.run import replay
+from oracle.score.local import score_local
+from oracle.score.scorer import score
 
 NORMS_LM_01 = r"layers\.[01]\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)$"
 NORMS_LM_23 = r"layers\.[23]\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)$|language_model\.norm$"

@@ -22,7 +22,7 @@ from hypothesis.control import event as _event
 from typer.testing import CliRunner
 
 from cli import app
-from oracle.bundle import Bundle, BundleWriter
+from oracle.bundle.store import Bundle, BundleWriter
 from oracle.errors import EXIT_CODES, OracleError
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
@@ -204,7 +204,7 @@ SAMPLE = st.one_of(
 def step(source, tmp_path_factory):
     from PIL import Image
 
-    from oracle.steps import build_model
+    from oracle.capture.steps import build_model
 
     d = tmp_path_factory.mktemp("samples")
     Image.new("RGB", (40, 30), (10, 200, 30)).save(d / "a.png")
@@ -215,7 +215,7 @@ def step(source, tmp_path_factory):
 @settings(FUZZ, max_examples=150)
 @given(sample=SAMPLE, raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=40)))
 def test_fuzzed_samples_are_read_or_refused_with_exit_3_or_7(source, step, sample, raw):
-    from oracle.samples import read_sample
+    from oracle.capture.samples import read_sample
 
     d, model = step
     line = raw if raw is not None else json.dumps(sample).encode()

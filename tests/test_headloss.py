@@ -1,4 +1,4 @@
-"""LM head + cross-entropy by vocabulary chunks (oracle/headloss.py) against the full-logits loss."""
+"""LM head + cross-entropy by vocabulary chunks (oracle/replay/headloss.py) against the full-logits loss."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oracle.headloss import HeadLossInputError, causal_lm_head_loss, head_loss, masked_token_head_loss
-from oracle.loss import IGNORE, causal_lm_loss, masked_token_loss
-from oracle.numerics import PrecisionMode
+from oracle.capture.packing import IGNORE
+from oracle.precision.mode import PrecisionMode
+from oracle.replay.headloss import HeadLossInputError, causal_lm_head_loss, head_loss, masked_token_head_loss
+from oracle.replay.loss import causal_lm_loss, masked_token_loss
 
 F64 = torch.float64
 
@@ -123,7 +124,7 @@ def test_bad_inputs_are_errors():
 def test_qwen3_vl_head_matches_full_logits(source):
     """The tiny Qwen3-VL step (image + text, float64): the decoder's hidden states through causal_lm_head_loss
     with lm_head's weight give the recipe's loss and every parameter gradient to 1e-12."""
-    from oracle.steps import build_model
+    from oracle.capture.steps import build_model
 
     r = source.recipe
     results = []

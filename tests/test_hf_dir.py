@@ -7,10 +7,10 @@ import pytest
 from safetensors.torch import save_file
 
 from oracle import recipe as recipes
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
 from oracle.errors import RecipeError
-from oracle.score import score
-from oracle.steps import capture_recipe_step
+from oracle.score.scorer import score
 from replays.qwen3_vl import flavors
 
 

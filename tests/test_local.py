@@ -5,10 +5,10 @@ from faults import lowp_norm_backward, scale_grad
 from typer.testing import CliRunner
 
 from cli import app
-from oracle.bundle import Bundle
-from oracle.local import replay_local
-from oracle.score_local import score_local
-from oracle.steps import capture_recipe_step
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
+from oracle.replay.local import replay_local
+from oracle.score.local import score_local
 
 
 def scale_output(path: str, factor: float):

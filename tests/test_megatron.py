@@ -14,14 +14,14 @@ from megatron_peer import CFG, PACKED, run_peer
 from typer.testing import CliRunner
 
 from cli import app
-from oracle.bundle import Bundle, BundleWriter
+from oracle.bundle.store import Bundle, BundleWriter
 from oracle.errors import BundleError, NotReplayable, UsageError
-from oracle.megatron.hook import capture_rank
-from oracle.megatron.layout import merge_fc1
-from oracle.megatron.merge import merge_ranks
-from oracle.megatron.rankview import compare_rank, rank_view
-from oracle.replay import replay
-from oracle.score import score
+from oracle.integrations.megatron.hook import capture_rank
+from oracle.integrations.megatron.layout import merge_fc1
+from oracle.integrations.megatron.merge import merge_ranks
+from oracle.integrations.megatron.rankview import compare_rank, rank_view
+from oracle.replay.run import replay
+from oracle.score.scorer import score
 
 # A hand-written config, for the override checks and for msprobe imports (which record none).
 HF = {"model_type": "qwen3", "vocab_size": CFG["vocab_size"], "hidden_size": CFG["hidden_size"],

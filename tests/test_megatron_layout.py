@@ -5,9 +5,9 @@ import torch
 
 from oracle import recipe as recipes
 from oracle.errors import BundleError
-from oracle.megatron.layout import Heads, merge_tensor, padded_vocab, partial_sum, shard_of
-from oracle.megatron.names import NameMap
-from oracle.msprobe import megatron_coords
+from oracle.integrations.megatron.layout import Heads, merge_tensor, padded_vocab, partial_sum, shard_of
+from oracle.integrations.megatron.names import NameMap
+from oracle.integrations.msprobe import megatron_coords
 
 
 def test_qwen3_vl_mcore_names_map_to_hf_language_and_vision_names():

@@ -9,7 +9,7 @@ is that converter's pairing, (mcore name under ``language_model.``, HF name), fo
 """
 
 from oracle import recipe as recipes
-from oracle.megatron.names import NameMap
+from oracle.integrations.megatron.names import NameMap
 
 # (mcore, HF) as ms-swift 3.12.6's converter pairs them; {i} is the layer, q/k/v and gate/up fused in mcore
 MS_SWIFT_PAIRS = [

@@ -10,13 +10,13 @@ from test_megatron import HF
 from typer.testing import CliRunner
 
 from cli import app
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import build_model
 from oracle.errors import BundleError, NotReplayable
-from oracle.megatron.merge import merge_ranks
-from oracle.msprobe import import_dump
-from oracle.replay import replay
-from oracle.score import score
-from oracle.steps import build_model
+from oracle.integrations.megatron.merge import merge_ranks
+from oracle.integrations.msprobe import import_dump
+from oracle.replay.run import replay
+from oracle.score.scorer import score
 
 
 def _dump_in_child(out: str, summary: bool) -> None:

@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from oracle import normlog
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
 from oracle.errors import LogParseError
-from oracle.score import score
+from oracle.integrations import normlog
+from oracle.score.scorer import score
 
 LOGS = Path(__file__).with_name("data")  # copies of the original report's two rank-0 logs
 H20, NPU = LOGS / "h20_rank0_grad_norms.log", LOGS / "910b_rank0_grad_norms.log"

@@ -1,6 +1,6 @@
 import torch
 
-from oracle.numerics import PrecisionMode
+from oracle.precision.mode import PrecisionMode
 
 
 def test_float64_mode_promotes_casts_that_model_code_makes():

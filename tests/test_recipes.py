@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from oracle import recipe as recipes
+from oracle.capture.steps import build_model, capture_recipe_step, select_modules
 from oracle.errors import RecipeError
-from oracle.layers import group
-from oracle.replay import replay
-from oracle.score import score
-from oracle.steps import build_model, capture_recipe_step, select_modules
+from oracle.replay.run import replay
+from oracle.score.layers import group
+from oracle.score.scorer import score
 
 ROOT = Path(__file__).parent.parent
 

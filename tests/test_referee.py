@@ -4,9 +4,9 @@ located along the backward, bands of another precision are refused (issue 11).""
 import pytest
 import torch
 
-from oracle.bundle import Bundle
-from oracle.modules import group_name
-from oracle.steps import capture_recipe_step
+from oracle.bundle.store import Bundle
+from oracle.capture.modules import group_name
+from oracle.capture.steps import capture_recipe_step
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
@@ -31,8 +31,8 @@ def _cap(result, i=0):
 def test_non_finite_gradients_are_named_first_along_the_backward_and_listed_first(fp32_capture, oracle_bundle, tmp_path):
     from helpers import rewrite_grads
 
-    from oracle.render import render
-    from oracle.score import score
+    from oracle.report.text import render
+    from oracle.score.scorer import score
 
     far, near = "model.language_model.embed_tokens.weight", "model.language_model.layers.3.mlp.down_proj.weight"
 
@@ -54,7 +54,7 @@ def test_non_finite_gradients_are_named_first_along_the_backward_and_listed_firs
 
 def test_a_band_of_another_precision_is_refused_unless_forced(amp_capture, oracle_bundle, band):
     from oracle.errors import UsageError
-    from oracle.score import score
+    from oracle.score.scorer import score
 
     with pytest.raises(UsageError, match=r"amp-bf16 capture but no --band emulates amp-bf16.*--dtype amp-bf16 --ensemble"):
         score(oracle_bundle, [amp_capture], band_paths=[band("fp32")])
@@ -76,9 +76,9 @@ def test_a_nan_born_in_a_module_is_its_culprit_with_the_direction(source, sample
                                                                   direction):  # fmt: skip
     import faults
 
-    from oracle.local import replay_local
-    from oracle.render import render_local
-    from oracle.score_local import score_local
+    from oracle.replay.local import replay_local
+    from oracle.report.text import render_local
+    from oracle.score.local import score_local
 
     target = DOWN2 if plant == "nan_in_backward" else MLP1
     cap = capture_recipe_step(source, sample, str(tmp_path / name), instrument=getattr(faults, plant)(target),
@@ -91,7 +91,7 @@ def test_a_nan_born_in_a_module_is_its_culprit_with_the_direction(source, sample
     assert res["culprits"][1:] == []  # the layer yields to its child; modules that only inherit the NaN are not blamed
     assert "NON-FINITE born in its " + direction in render_local(res)
     if direction == "backward":  # end to end: the first non-finite gradient along the backward is down_proj's
-        from oracle.score import score
+        from oracle.score.scorer import score
 
         v = score(oracle_bundle, [cap])["captures"][0]["verdict"]
         assert v["class"] == "non_finite" and v["nonfinite_params"][0].startswith(DOWN2), v["text"]
@@ -99,9 +99,9 @@ def test_a_nan_born_in_a_module_is_its_culprit_with_the_direction(source, sample
 
 def test_local_scoring_honours_tol_refuses_band_and_writes_a_report(source, sample, tmp_path):
     from oracle.errors import UsageError
-    from oracle.local import replay_local
-    from oracle.report import write_local_report
-    from oracle.score_local import score_local
+    from oracle.replay.local import replay_local
+    from oracle.report.files import write_local_report
+    from oracle.score.local import score_local
 
     cap = capture_recipe_step(source, sample, str(tmp_path / "c"), modules="layers")
     loc = replay_local(cap, tmp_path / "c.local", modules=r"layers\.3$", members=1)

@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from oracle import atomic
-from oracle.bundle import Bundle, BundleWriter, value_sha256
+from oracle.bundle import atomic
+from oracle.bundle.store import Bundle, BundleWriter, value_sha256
 from oracle.errors import EXIT_CODES, BundleError, OracleError, OutputError, OutputExists, from_os_error
 
 runner = CliRunner()
@@ -100,9 +100,9 @@ def test_two_writers_one_out_exactly_one_wins(tmp_path):
 
 def test_an_existing_output_is_refused_before_any_work(tmp_path):
     """replay, local replay and capture check --out first, not after the step (hours on a large model)."""
-    from oracle.local import replay_local
-    from oracle.replay import replay
-    from oracle.steps import capture_recipe_step
+    from oracle.capture.steps import capture_recipe_step
+    from oracle.replay.local import replay_local
+    from oracle.replay.run import replay
 
     cap, out = write(tmp_path / "cap"), write(tmp_path / "out")
     for run in (lambda: replay(cap, out), lambda: replay_local(cap, out), lambda: capture_recipe_step(None, {}, str(out))):
@@ -270,8 +270,8 @@ def test_a_gradient_of_another_shape_than_its_weight_is_refused(tmp_path):
 def test_a_config_describing_a_huge_model_is_refused_before_building_it(tmp_path):
     """hidden_size 1e6 would build ~22 GB; the meta-device check refuses it in well under a second."""
     from oracle import recipe as recipes
-    from oracle.replay import run_step
-    from oracle.shapes import expected_shapes
+    from oracle.bundle.shapes import expected_shapes
+    from oracle.replay.run import run_step
     from replays.qwen3_vl.flavors import TINY
 
     r = recipes.get("qwen3-vl")
@@ -291,7 +291,7 @@ def test_value_hash_in_slices_equals_the_hash_of_the_whole(monkeypatch):
     """value_sha256 upcasts a slice at a time; the digest is that of the whole upcast tensor."""
     import hashlib
 
-    import oracle.bundle as bundle
+    import oracle.bundle.store as bundle
 
     x = torch.randn(3, 1000).to(torch.bfloat16)
     whole = hashlib.sha256(json.dumps([3, 1000]).encode() + x.double().numpy().tobytes()).hexdigest()
@@ -306,10 +306,10 @@ def test_damaged_or_mismatched_model_files_exit_7(tmp_path):
     config.json is refused from the headers, before the model is built."""
     from safetensors.torch import save_file
 
+    from oracle.bundle.weights import SafetensorsDir
+    from oracle.capture.steps import capture_recipe_step
     from oracle.errors import RecipeError
     from oracle.recipe import ModelSource
-    from oracle.steps import capture_recipe_step
-    from oracle.weights import SafetensorsDir
     from replays.qwen3_vl.recipe import Qwen3VLRecipe
 
     (tmp_path / "model.safetensors").write_bytes(b"garbage" * 10)
@@ -333,7 +333,7 @@ def test_hashing_a_large_tensor_copies_none_of_it():
     whole-tensor copies before: +1028 MiB)."""
     code = (
         "import resource, torch; x = torch.randn(64 * 2**20); base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "from oracle.bundle import tensor_sha256, value_sha256; tensor_sha256(x); value_sha256(x)\n"
+        "from oracle.bundle.store import tensor_sha256, value_sha256; tensor_sha256(x); value_sha256(x)\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -343,7 +343,7 @@ def test_hashing_a_large_tensor_copies_none_of_it():
 # -- samples --------------------------------------------------------------------------------
 def test_content_lists_read_as_the_string_form(source, sample):
     """The OpenAI/ms-swift list form and the <image>-tag form give the same token ids and pixels."""
-    from oracle.steps import build_model
+    from oracle.capture.steps import build_model
 
     model = build_model(source.recipe, source.config, source.weights, torch.float32)
     ((user_i, user),) = [(i, m) for i, m in enumerate(sample["messages"]) if "<image>" in m["content"]]
@@ -389,7 +389,7 @@ def test_the_cli_starts_without_torch():
 
 
 def test_comparing_two_large_logs_is_not_quadratic():
-    from oracle.normlog import NormLog, compare
+    from oracle.integrations.normlog import NormLog, compare
 
     names = [f"decoder.layers.{i // 10}.mlp.linear_fc{i % 10}.weight" for i in range(30_000)]
     a = NormLog("a", {n: 1.0 for n in names}, names)

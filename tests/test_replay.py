@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
 from oracle.metrics import tensor_metrics
-from oracle.replay import replay, run_step
+from oracle.replay.run import replay, run_step
 
 
 def _errors(capture, oracle):
@@ -43,8 +43,8 @@ def test_oracle_matches_independent_central_differences(fp32_capture):
     """Independent of the built-in certificate: perturb two single parameters in the test."""
     cap = Bundle(fp32_capture)
     model, inputs, _, _ = run_step(cap, "fp64")
-    recipe_forward = __import__("oracle.replay", fromlist=["_recipe_of"])._recipe_of(cap).forward_loss
-    from oracle.numerics import PrecisionMode
+    recipe_forward = __import__("oracle.replay.setup", fromlist=["recipe_of"]).recipe_of(cap).forward_loss
+    from oracle.precision.mode import PrecisionMode
 
     gen = torch.Generator().manual_seed(7)
     params = dict(model.named_parameters())

@@ -4,10 +4,10 @@ import pytest
 from faults import lowp_norm_backward, scale_grad, wrong_mask_backward
 from helpers import rewrite_grads
 
-from oracle.bundle import Bundle, BundleWriter
+from oracle.bundle.store import Bundle, BundleWriter
+from oracle.capture.steps import capture_recipe_step
 from oracle.errors import MismatchError
-from oracle.score import score
-from oracle.steps import capture_recipe_step
+from oracle.score.scorer import score
 
 
 def _cap(result, i=0):

@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 
 from cli import app
 from oracle import recipe as recipes
-from oracle.bundle import Bundle
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
 from oracle.errors import MismatchError, UsageError
-from oracle.replay import replay
-from oracle.score import score
-from oracle.steps import capture_recipe_step
-from oracle.stream import parse_size
+from oracle.replay.run import replay
+from oracle.replay.streaming.engine import parse_size
+from oracle.score.scorer import score
 
 ROOT = Path(__file__).parent.parent
 
@@ -158,7 +158,7 @@ def test_packing_boundaries_are_part_of_the_step(packed, tmp_path):
     """The same tokens without their boundaries are another step: scoring across is refused."""
     root, cap, _ = packed
     src = Bundle(cap)
-    from oracle.bundle import BundleWriter
+    from oracle.bundle.store import BundleWriter
 
     with BundleWriter(tmp_path / "unpacked", "capture") as w:
         w.manifest.update({k: v for k, v in src.manifest.items() if k not in ("tensors", "schema_version", "kind", "packing")})

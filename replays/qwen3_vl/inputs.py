@@ -1,7 +1,7 @@
 """An ms-swift style sample -> the tensors a Qwen3-VL step uses.
 
 Sample format (one JSON object, as one line of an ms-swift ``.jsonl``; content may also be a list
-of OpenAI-style parts, see oracle/samples.py, which is normalised to this form first)::
+of OpenAI-style parts, see oracle/capture/samples.py, which is normalised to this form first)::
 
     {"messages": [{"role": "user", "content": "<image>Describe it."},
                   {"role": "assistant", "content": "..."}],
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from oracle.capture.packing import IGNORE
+from oracle.capture.samples import normalize
 from oracle.errors import InputNotFound, RecipeError
-from oracle.loss import IGNORE
-from oracle.samples import normalize
 
 MAX_IMAGE_PIXELS = 2**26  # 67 M pixels (8192 x 8192): a decompression-bomb guard, checked before decoding
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from oracle.bundle.weights import SafetensorsDir
+from oracle.capture.packing import pack
+from oracle.capture.samples import read_sample
 from oracle.errors import RecipeError
-from oracle.loss import causal_lm_loss, lm_head_loss
-from oracle.packing import pack
 from oracle.recipe import ModelSource, Recipe
-from oracle.samples import read_sample
-from oracle.weights import SafetensorsDir
+from oracle.replay.loss import causal_lm_loss, lm_head_loss
 from replays.qwen3.recipe import MEGATRON_NAMES, text_layer_key
 
 from . import flavors

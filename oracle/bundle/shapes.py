@@ -1,0 +1,47 @@
+"""A bundle's parameter shapes checked against what the recipe builds, before anything is allocated.
+
+The recipe builds its module on the ``meta`` device (shapes and dtypes, no storage), so a config that
+would describe a 22 GB model costs milliseconds to refuse; only when every stored weight has the
+shape the recipe expects is the real module built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import BundleError, OracleError, RecipeError
+from ..recipe import Recipe
+
+
+def stored_shapes(bundle) -> tuple[dict[str, list[int]], str]:
+    """A bundle's weight shapes from its manifest (no tensor read), for ``build_model(shapes=...)``."""
+    return {n: e["shape"] for n, e in bundle.manifest["tensors"].get("weights", {}).items()}, str(bundle.path)
+
+
+def expected_shapes(recipe: Recipe, config: Mapping[str, Any]) -> dict[str, list[int]]:
+    """Parameter name -> shape of ``recipe.build(config)``, built on the meta device."""
+    try:
+        with torch.device("meta"):
+            model = recipe.build(dict(config))
+    except Exception as e:  # the config is user data: transformers raises many types for bad ones
+        raise RecipeError(f"recipe {recipe.name!r} cannot build a model from this config ({type(e).__name__}: {e})") from None
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def check_shapes(recipe: Recipe, config: Mapping[str, Any], stored: Mapping[str, Sequence[int]], where: str, *,
+                 error: type[OracleError] = BundleError, fix: str = "the bundle is damaged or its config was edited") -> None:  # fmt: skip
+    """Raise ``error`` listing every weight whose stored shape (or presence) differs from the recipe's."""
+    expect = expected_shapes(recipe, config)
+    problems = [f"{n}: stored {list(stored[n])}, the recipe's model has {s}" for n, s in expect.items()
+                if n in stored and list(stored[n]) != s]  # fmt: skip
+    problems += [f"{n}: missing (the recipe's model has it, shape {s})" for n, s in expect.items() if n not in stored]
+    problems += [f"{n}: stored, but the recipe's model has no such parameter" for n in stored if n not in expect]
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise error(
+            f"{where}: the weights do not fit the model its config describes ({len(problems)} problem(s)); "
+            f"{fix}:\n  " + "\n  ".join(problems[:20]) + more
+        )

@@ -1,0 +1,443 @@
+"""The bundle: one directory holding one training step (a capture) or its ground truth (an oracle).
+
+Layout::
+
+    BUNDLE/
+      manifest.json            schema version, kind, recipe, precision, device, versions, loss, tensors
+      inputs.safetensors       exactly the tensors the model received (ids, labels, positions, pixels)
+      weights.safetensors      the parameter values the forward used, in the dtype it used
+      grads.safetensors        every parameter's gradient (main_grad where it exists), own dtype
+      <group>.safetensors      further groups (ensemble members of an emulated run, ...)
+
+Every tensor is listed in ``manifest["tensors"][group][name]`` with ``file``, ``dtype``, ``shape``,
+``sha256`` (of the stored bytes: integrity) and ``value_sha256`` (of the values upcast to float64,
+or int64 for integer tensors: identity across dtypes, so an fp32 capture and an amp-bf16 capture of
+the same fp32 weights fingerprint alike). A group may span several files (``shard`` calls), so that
+a writer never has to hold more than one shard in memory.
+
+Loading never executes code: JSON and safetensors only. Opening a bundle validates the manifest
+(manifest.py: every field's type, every offender named) and every file it lists: inside the bundle
+(no symlink leading out), a safetensors header that agrees with the manifest on dtype, shape and
+byte range. Loading a tensor reads exactly its stored bytes, hashes them in slices (no second
+copy) and checks them against the manifest's sha256.
+
+Writing is atomic (atomic.py): everything goes to a sibling temporary directory, published under
+the bundle's name once the manifest is written, by a move that never replaces what another writer
+put there meanwhile. An existing bundle (recognised by a valid manifest, never by a file name, and
+holding no file the manifest does not list) is replaced only with ``overwrite=True``, in one atomic
+swap after the new one is complete. Files and folders get the usual modes (0666/0777 less the
+umask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from ..errors import BundleError, InputNotFound, OutputError, OutputExists
+from . import atomic
+from .manifest import DTYPES, KINDS, SCHEMA_VERSION, looks_like_bundle, parse_json, read_manifest
+
+__all__ = ["Bundle", "BundleWriter", "KINDS", "check_output", "MANIFEST", "SCHEMA_VERSION", "tensor_sha256", "value_sha256"]
+
+MANIFEST = "manifest.json"
+HASH_SLICE = 64 * 2**20  # bytes hashed per update: bounds no memory (no copies), only the loop length
+VALUE_SLICE = 2**22  # elements upcast at a time for value_sha256: 32 MiB of float64 per slice
+HEADER_MAX = 100 * 2**20  # safetensors' own limit on a header
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The stored bytes of a CPU contiguous tensor, as a view (no copy)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _sha256(view: memoryview) -> str:
+    h = hashlib.sha256()
+    for i in range(0, len(view), HASH_SLICE):
+        h.update(view[i : i + HASH_SLICE])
+    return h.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's stored bytes (dtype-specific), hashed in place."""
+    return _sha256(_byte_view(t.detach().cpu().contiguous()))
+
+
+def value_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's values in a canonical dtype: float64 for floats, int64 for the rest.
+
+    Upcasting to float64 is exact for every float format we store, so equal values hash equal
+    whatever dtype they were stored in. The shape is part of the hash. The upcast is done
+    ``VALUE_SLICE`` elements at a time, so a 1 GiB bf16 tensor never becomes 4 GiB of float64;
+    the bytes hashed are those of the whole upcast tensor, in order.
+    """
+    t = t.detach().cpu()
+    canon = torch.float64 if t.is_floating_point() else torch.int64
+    h = hashlib.sha256(json.dumps(list(t.shape)).encode())
+    flat = t.contiguous().reshape(-1)  # a view when already contiguous
+    for i in range(0, flat.numel(), VALUE_SLICE):
+        h.update(_byte_view(flat[i : i + VALUE_SLICE].to(canon)))
+    return h.hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _replaceable(p: Path) -> str | None:
+    """None if ``--overwrite`` may replace ``p``: an empty folder, or a bundle (valid manifest) holding
+    nothing but its manifest and the files it lists. Otherwise the reason it may not."""
+    if p.is_symlink() or not p.is_dir():
+        return "exists and is not a bundle directory (a file or a symlink); refusing to replace it"
+    try:
+        names = set(os.listdir(p))
+    except OSError as e:
+        return f"cannot be listed ({e.strerror}); refusing to replace it"
+    if not names:
+        return None
+    if not looks_like_bundle(p):
+        return "exists and is not a bundle (no valid oracle manifest.json); refusing to replace it"
+    m = read_manifest(p / MANIFEST)
+    listed = {e["file"] for g in m["tensors"].values() for e in g.values()} | {MANIFEST}
+    extra = sorted(names - listed)
+    if extra:
+        return f"holds files that are not part of the bundle ({', '.join(extra[:3])}); refusing to replace it"
+    return None
+
+
+def check_output(path: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an output that exists (without ``overwrite``) or may not be replaced, before any work
+    is spent on it; the final move checks again (a folder may appear meanwhile)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite")
+    why = _replaceable(path)
+    if why:
+        raise OutputExists(f"output {path} {why}")
+
+
+class BundleWriter:
+    """Writes a bundle atomically. Use as a context manager; nothing appears at ``path`` on error."""
+
+    def __init__(self, path: str | os.PathLike, kind: str, *, overwrite: bool = False):
+        if kind not in KINDS:
+            raise ValueError(f"bundle kind must be one of {KINDS}, got {kind!r}")
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self._check_target()  # early, so that no work is wasted; checked again at the final move
+        self.manifest: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": kind, "tensors": {}}
+        self._tmp: Path | None = None
+        self._files: set[str] = set()
+        self._mode = 0o666 & ~atomic.umask()
+
+    def _check_target(self) -> None:
+        check_output(self.path, self.overwrite)
+
+    def __enter__(self) -> BundleWriter:
+        blocker = next((a for a in self.path.parents if os.path.lexists(a)), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(f"cannot write the bundle {self.path}: {blocker} is a file, not a directory")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.clean_stale(self.path)
+            tmp = atomic.temp_name(self.path)
+            os.mkdir(tmp)  # 0777 less the umask
+        except OSError as e:
+            raise OutputError(
+                f"cannot write the bundle {self.path}: {e.strerror or e} ({e.filename or self.path.parent})"
+            ) from None
+        self._tmp = tmp
+        return self
+
+    def add(self, group: str, tensors: Mapping[str, torch.Tensor], *, shard: int | None = None) -> None:
+        """Write one file of ``group`` now; call again with ``shard=1, 2, ...`` to stream a group."""
+        assert self._tmp is not None, "BundleWriter must be used as a context manager"
+        if not group.replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"group name {group!r} must be letters, digits, '_' or '.'")
+        fname = f"{group}.safetensors" if shard is None else f"{group}-{shard:05d}.safetensors"
+        if fname in self._files:
+            raise ValueError(f"{fname} written twice")
+        entries = self.manifest["tensors"].setdefault(group, {})
+        clean: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, t in tensors.items():
+            if name in entries:
+                raise ValueError(f"tensor {group}/{name} written twice")
+            t = t.detach().to("cpu").contiguous()
+            if t.numel() and t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # tied parameters (embeddings = lm_head) share storage; safetensors refuses that
+            storages.add(t.untyped_storage().data_ptr())
+            clean[name] = t
+            entries[name] = {
+                "file": fname,
+                "dtype": _dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "sha256": tensor_sha256(t),
+                "value_sha256": value_sha256(t),
+            }
+        try:
+            save_file(clean, str(self._tmp / fname))
+            os.chmod(self._tmp / fname, self._mode)  # safetensors creates 0600 whatever the umask
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
+        except SafetensorError as e:  # the Rust writer reports I/O errors (disk full) as its own type
+            raise OutputError(f"cannot write {self.path / fname}: {e}") from None
+        self._files.add(fname)
+
+    def add_stream(self, group: str, items: Iterable[tuple[str, torch.Tensor]], *, max_bytes: int = 1 << 30) -> None:
+        """Write ``group`` from an iterator in shards of about ``max_bytes``: at most one shard is held."""
+        shard: dict[str, torch.Tensor] = {}
+        size, k = 0, 0
+        for name, t in items:
+            shard[name] = t
+            size += t.numel() * t.element_size()
+            if size >= max_bytes:
+                k += 1
+                self.add(group, shard, shard=k)
+                shard, size = {}, 0
+        if shard or k == 0:
+            self.add(group, shard, shard=k + 1 if k else None)
+
+    def adopt(self, group: str, src: str | os.PathLike, entries: Mapping[str, Mapping[str, Any]], *, move: bool = False) -> None:
+        """Take a finished safetensors file into the bundle as it is (hard link, else copy; ``move``:
+        rename) with its manifest ``entries`` (name -> {dtype, shape, sha256, value_sha256}): a replay
+        carries the capture's inputs and weights, and the streaming replay its gradient shards, file
+        by file without loading them."""
+        assert self._tmp is not None, "BundleWriter must be used as a context manager"
+        src = Path(src)
+        fname = src.name
+        if fname in self._files:
+            raise ValueError(f"{fname} written twice")
+        dst = self._tmp / fname
+        try:
+            if move:
+                os.replace(src, dst)
+            else:
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copyfile(src, dst)
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
+        group_entries = self.manifest["tensors"].setdefault(group, {})
+        for name, e in entries.items():
+            if name in group_entries:
+                raise ValueError(f"tensor {group}/{name} written twice")
+            group_entries[name] = {**e, "file": fname}
+        self._files.add(fname)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._tmp is not None
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone after a publish; the debris after an error
+            atomic.release(self._tmp)
+
+    def _finish(self) -> None:
+        tmp = self._tmp
+        assert tmp is not None
+        try:
+            with open(tmp / MANIFEST, "x") as f:
+                json.dump(self.manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            for fname in self._files:  # durable before it is published
+                fd = os.open(tmp / fname, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            atomic.publish(tmp, self.path, replace=_replaceable if self.overwrite else None)
+        except FileExistsError as e:
+            if e.strerror == "already exists":
+                raise OutputExists(
+                    f"output {self.path} was created by someone else while this one was written; nothing was "
+                    "replaced; choose another --out or pass --overwrite"
+                ) from None
+            raise OutputExists(f"output {self.path} {e.strerror}") from None
+        except OSError as e:
+            raise OutputError(f"cannot write the bundle {self.path}: {e.strerror or e}") from None
+
+
+def _inside(root: Path, p: Path) -> bool:
+    try:
+        p.resolve().relative_to(root)
+    except (ValueError, OSError, RuntimeError):
+        return False
+    return True
+
+
+class Bundle:
+    """A bundle opened for reading. The manifest and file headers are checked on open; tensors load on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        try:
+            if not self.path.exists():
+                raise InputNotFound(f"bundle {self.path} does not exist")
+            if not self.path.is_dir():
+                raise BundleError(f"{self.path} is a file, not a bundle directory")
+            if not mpath.is_file():
+                raise BundleError(f"{self.path} is not a bundle: {MANIFEST} is missing")
+            self._root = self.path.resolve()
+            if not _inside(self._root, mpath):
+                raise BundleError(f"{mpath} is a symlink leading out of the bundle; refusing to follow it")
+            self.manifest: dict[str, Any] = read_manifest(mpath)
+            self._where: dict[tuple[str, str], tuple[int, int]] = {}
+            self._check_files()
+        except OSError as e:
+            raise InputNotFound(f"cannot read the bundle {self.path}: {e.strerror or e} ({e.filename or mpath})") from None
+
+    def _check_files(self) -> None:
+        """Every listed file exists inside the bundle; its header agrees with the manifest."""
+        by_file: dict[str, list[tuple[str, str, dict]]] = {}
+        for group, entries in self.manifest["tensors"].items():
+            for name, e in entries.items():
+                by_file.setdefault(e["file"], []).append((group, name, e))
+        problems: list[str] = []
+        for fname, listed in by_file.items():
+            p = self.path / fname
+            if not os.path.lexists(p):
+                problems.append(f"{fname}: missing ({len(listed)} tensor(s) listed in it, e.g. {listed[0][0]}/{listed[0][1]})")
+            elif not _inside(self._root, p):
+                problems.append(f"{fname}: a symlink leading out of the bundle; refusing to follow it")
+            elif not p.is_file():
+                problems.append(f"{fname}: not a regular file")
+            else:
+                problems += self._check_header(p, listed)
+        if problems:
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise BundleError(
+                f"{self.path} is damaged ({len(problems)} problem(s)); capture or replay it again:\n  "
+                + "\n  ".join(problems[:20])
+                + more
+            )
+
+    def _check_header(self, p: Path, listed: list[tuple[str, str, dict]]) -> list[str]:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > min(size - 8, HEADER_MAX):
+                return [f"{p.name}: not a safetensors file or truncated ({size} bytes, header length {n})"]
+            try:
+                header = parse_json(f.read(n), p.name)
+            except BundleError as e:
+                return [f"{p.name}: header {e}"]
+        if not isinstance(header, dict):
+            return [f"{p.name}: header is not a JSON object"]
+        data_start = 8 + n
+        problems = []
+        for group, name, e in listed:
+            h = header.get(name)
+            where = f"{group}/{name} in {p.name}"
+            if not isinstance(h, dict):
+                problems.append(f"{where}: not in the file's header")
+                continue
+            dtype, shape, offs = h.get("dtype"), h.get("shape"), h.get("data_offsets")
+            if not isinstance(dtype, str) or DTYPES.get(dtype) != e["dtype"] or shape != e["shape"]:
+                problems.append(f"{where}: stored as {dtype} {shape}, the manifest says {e['dtype']} {e['shape']}")
+                continue
+            if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
+                problems.append(f"{where}: data_offsets {offs!r} are not two integers")
+                continue
+            begin, end = offs
+            want = math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize
+            if not 0 <= begin <= end or end - begin != want or data_start + end > size:
+                problems.append(f"{where}: bytes [{begin}, {end}) do not hold {want} bytes inside the {size - data_start} stored")
+                continue
+            self._where[(group, name)] = (data_start + begin, end - begin)
+        return problems
+
+    # -- metadata -----------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.manifest.get(key, default)
+
+    def groups(self) -> list[str]:
+        return list(self.manifest.get("tensors", {}))
+
+    def names(self, group: str) -> list[str]:
+        return list(self.manifest.get("tensors", {}).get(group, {}))
+
+    def has(self, group: str, name: str) -> bool:
+        return name in self.manifest.get("tensors", {}).get(group, {})
+
+    def entry(self, group: str, name: str) -> dict[str, Any]:
+        try:
+            return self.manifest["tensors"][group][name]
+        except KeyError:
+            raise BundleError(f"bundle {self.path} has no tensor {group}/{name}") from None
+
+    # -- tensors ------------------------------------------------------------------------------
+    def load(self, group: str, name: str, *, verify: bool = True) -> torch.Tensor:
+        """Load one tensor: its stored bytes are read once; with ``verify`` they are hashed in place
+        and checked against the manifest's sha256 before the tensor is made from them."""
+        e = self.entry(group, name)
+        offset, nbytes = self._where[(group, name)]
+        dtype = getattr(torch, e["dtype"])
+        buf = bytearray(nbytes)
+        path = self.path / e["file"]
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                got = f.readinto(buf)
+        except OSError as err:
+            raise InputNotFound(f"cannot read {path}: {err.strerror or err}") from None
+        if got != nbytes:
+            raise BundleError(f"{path}: {group}/{name} is truncated ({got} of {nbytes} bytes); the bundle is damaged")
+        if verify and _sha256(memoryview(buf)) != e["sha256"]:
+            raise BundleError(
+                f"{self.path}: {group}/{name} does not match its sha256 in the manifest; the bundle "
+                "is damaged or was edited, capture it again"
+            )
+        if nbytes == 0:
+            return torch.empty(e["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
+
+    def load_group(self, group: str, *, verify: bool = True) -> dict[str, torch.Tensor]:
+        return {n: self.load(group, n, verify=verify) for n in self.names(group)}
+
+    def iter_group(self, group: str, *, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for n in self.names(group):
+            yield n, self.load(group, n, verify=verify)
+
+    # -- what step this is ------------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, dict[str, str]]:
+        """value_sha256 of every input and weight: what makes two bundles "the same step"."""
+        if "fingerprint" in self.manifest:
+            return self.manifest["fingerprint"]
+        t = self.manifest.get("tensors", {})
+        return {g: {n: e["value_sha256"] for n, e in t.get(g, {}).items()} for g in ("inputs", "weights")}
+
+    def capture_device(self) -> str:
+        """Device type the step was captured on (selects autocast's float32 op list when emulating);
+        a bundle replayed from a capture carries its source's."""
+        if self.kind == "capture":
+            return (self.get("device") or {}).get("type") or "cuda"
+        return (self.get("source") or {}).get("device") or "cuda"
+
+    def member_groups(self) -> list[str]:
+        """The gradient groups of an emulation bundle (or the single ``grads`` of any other)."""
+        k = int(self.get("members", 1))
+        return ["grads"] + [f"grads.{i}" for i in range(1, k)]

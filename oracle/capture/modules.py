@@ -1,0 +1,214 @@
+"""Module-boundary recording: each selected module's forward inputs and outputs and backward
+grad_outputs and grad_inputs, for teacher-forced local replay (oracle/replay/local.py).
+
+How, without touching the step: the hooks only observe. Nothing is replaced, wrapped or
+re-routed, so the autograd graph -- and with it every gradient, bit for bit -- is the one the step
+builds without recording (tested for fp32, bf16 and amp-bf16).
+  - forward pre-hook (with kwargs): flattens the call's arguments with torch's pytree, copies the
+    tensor leaves, and notes for each floating input that requires grad its gradient edge (the
+    autograd node and output slot that produced it) and the autograd sequence number at the call;
+  - forward hook: copies the outputs and puts tensor hooks on them for the grad_outputs (the total
+    gradient arriving at each output); then walks the graph back from the outputs through the
+    nodes created during this call (sequence number >= the one noted) and, on each node that
+    consumes an input edge, registers a node hook that reads the gradient it sends along that
+    edge. A module's grad_input for an input is the sum of these contributions (in the gradient's
+    own dtype, in the order the backward produces them): exactly what the module sends back
+    through that input, kwargs included (``register_full_backward_hook`` would only see
+    positional inputs, and wraps them in an extra autograd function). An input the module
+    returns unchanged (an identity in eval mode) has no node inside the module: no grad_input.
+Only the first call of a module per step is recorded; further calls are counted.
+
+Every tensor is copied to CPU as soon as it is seen; recording stops (and says so) once the disk
+budget would be exceeded. Hooks are removed in ``close()`` / on leaving the context, always.
+
+Per module the bundle gets one group ``mod.<module name>`` with tensors ``in.<i>``, ``out.<i>``,
+``gout.<i>``, ``gin.<i>`` (i = pytree leaf index), and ``manifest["modules"][name]`` with the
+serialised input tree spec, the non-tensor leaves, the leaf indices with gradients, the call count,
+and ``order``, the module's place in the order forward calls finished.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, treespec_dumps
+
+JSONABLE = (bool, int, float, str, type(None))
+
+
+def _sequence_now() -> int:
+    """The autograd sequence number the next node created on this thread gets (a throwaway node on
+    a throwaway leaf: it joins no graph of the step; later nodes all shift by one, their order kept)."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
+
+
+def select(model: nn.Module, pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    return [n for n, _ in model.named_modules() if n and rx.search(n)]
+
+
+def group_name(module: str) -> str:
+    return f"mod.{module}"
+
+
+class ModuleRecorder:
+    """Record boundaries of ``names`` in ``model``; ``dry_run`` only counts bytes (size estimate)."""
+
+    def __init__(self, model: nn.Module, names: list[str], *, budget_bytes: int | None = None, dry_run: bool = False):
+        self.model = model
+        self.names = names
+        self.budget = budget_bytes
+        self.dry_run = dry_run
+        self.bytes = 0
+        self.over_budget: list[str] = []
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+        self.meta: dict[str, dict[str, Any]] = {n: {"calls": 0} for n in names}
+        self._handles: list[Any] = []
+        self._finished = 0
+        self._pending: dict[str, tuple[dict[tuple[int, int], int], int, list]] = {}  # pre -> post of one call
+
+    # -- storing ----------------------------------------------------------------------------
+    def _keep(self, module: str, key: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.budget is not None and self.bytes + nbytes > self.budget:
+            if module not in self.over_budget:
+                self.over_budget.append(module)
+            return
+        self.bytes += nbytes
+        if not self.dry_run:
+            self.tensors[module][key] = t.detach().to("cpu", copy=True)
+
+    # -- hooks (observe only) --------------------------------------------------------------
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            meta = self.meta[name]
+            meta["calls"] += 1
+            if meta["calls"] > 1:
+                return None
+            leaves, spec = tree_flatten((args, kwargs))
+            meta["in_spec"] = treespec_dumps(spec)
+            meta["in_static"] = {
+                str(i): v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and isinstance(v, JSONABLE)
+            }
+            meta["grad_in"] = []
+            edges: dict[tuple[int, int], int] = {}
+            alive = []  # the nodes' Python wrappers, so that their ids stay theirs until the walk
+            for i, v in enumerate(leaves):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                self._keep(name, f"in.{i}", v)
+                if v.requires_grad and v.is_floating_point() and torch.is_grad_enabled():
+                    e = get_gradient_edge(v)
+                    edges.setdefault((id(e.node), e.output_nr), i)
+                    alive.append(e.node)
+            if edges:
+                self._pending[name] = (edges, _sequence_now(), alive)
+            return None
+
+        return hook
+
+    def _grad_hook(self, name: str, key: str):
+        def hook(g):
+            if g is not None and key not in self.tensors[name]:
+                self._keep(name, key, g)
+            return None
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, kwargs, output):
+            meta = self.meta[name]
+            if meta["calls"] > 1:
+                return None
+            leaves, _ = tree_flatten(output)
+            meta["order"] = self._finished  # forward completion order; the backward runs it in reverse
+            self._finished += 1
+            meta["grad_out"] = []
+            roots = []
+            for i, v in enumerate(leaves):
+                if isinstance(v, torch.Tensor):
+                    self._keep(name, f"out.{i}", v)
+                    if v.requires_grad and torch.is_grad_enabled():
+                        v.register_hook(self._grad_hook(name, f"gout.{i}"))
+                        meta["grad_out"].append(i)
+                        if v.grad_fn is not None:
+                            roots.append(v.grad_fn)
+            pending = self._pending.pop(name, None)
+            if pending is not None:
+                self._watch_inputs(name, roots, pending[0], pending[1])
+            return None
+
+        return hook
+
+    def _watch_inputs(self, name: str, roots: list, edges: dict[tuple[int, int], int], since: int) -> None:
+        """Hook every node created in this call that consumes an input edge (see the docstring)."""
+        consumers: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        seen: dict[int, Any] = {}  # id -> node, kept alive so that ids are not reused during the walk
+        stack = [r for r in roots if r._sequence_nr() >= since]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            for j, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                i = edges.get((id(nxt), nr))
+                if i is not None:
+                    consumers.setdefault(id(node), (node, []))[1].append((j, i))
+                elif id(nxt) not in seen and nxt.next_functions and nxt._sequence_nr() >= since:
+                    stack.append(nxt)
+        self.meta[name]["grad_in"] = sorted({i for _, slots in consumers.values() for _, i in slots})
+        partial: dict[int, torch.Tensor] = {}
+        remaining = {i: 0 for i in self.meta[name]["grad_in"]}
+        for _, slots in consumers.values():
+            for _, i in slots:
+                remaining[i] += 1
+
+        def on_node(slots):
+            def hook(grad_inputs, grad_outputs):
+                for j, i in slots:
+                    g = grad_inputs[j]
+                    remaining[i] -= 1
+                    if g is not None:
+                        g = g.detach()
+                        partial[i] = g.clone() if i not in partial else partial[i] + g
+                    if remaining[i] == 0 and i in partial:
+                        self._keep(name, f"gin.{i}", partial.pop(i))
+                return None
+
+            return hook
+
+        for node, slots in consumers.values():
+            self._handles.append(node.register_hook(on_node(slots)))
+
+    def __enter__(self) -> ModuleRecorder:
+        try:
+            for n in self.names:
+                m = self.model.get_submodule(n)
+                self._handles.append(m.register_forward_pre_hook(self._pre(n), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._post(n), with_kwargs=True))
+        except Exception:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- output -----------------------------------------------------------------------------
+    def manifest(self) -> dict[str, Any]:
+        return {n: m for n, m in self.meta.items() if m["calls"] > 0}
+
+    def groups(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {group_name(n): t for n, t in self.tensors.items() if t}

@@ -1,0 +1,154 @@
+"""Running one step of a recipe's model: on a device for a capture, on CPU for a replay."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..bundle.shapes import check_shapes
+from ..bundle.store import check_output
+from ..errors import RecipeError
+from ..precision import capture_policy, torch_dtype
+from ..precision.mode import PrecisionMode
+from ..recipe import ModelSource, Recipe
+from .api import Capture
+from .modules import ModuleRecorder, select
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    recipe: Recipe,
+    config: Mapping[str, Any],
+    weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    mode: PrecisionMode | None = None,
+    shapes: tuple[Mapping[str, Any], str] | None = None,
+) -> nn.Module:
+    """Build the recipe's module in ``dtype`` and copy ``weights`` in (upcasts are exact).
+
+    With a ``mode`` the module is built inside it, so that buffers computed at init (rotary
+    frequencies) are computed in the mode's compute dtype too. With ``shapes`` (name -> stored
+    shape, and where they come from) they are checked first on the meta device (shapes.py).
+    """
+    if shapes is not None:
+        check_shapes(recipe, config, *shapes)
+    with default_dtype(dtype), mode or contextlib.nullcontext():
+        model = recipe.build(dict(config))
+    model = model.to(dtype)
+    model.eval()  # no dropout: a step must be reproducible
+    get = weights.__getitem__ if isinstance(weights, Mapping) else weights
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = get(name)
+            if w.shape != p.shape:
+                raise RecipeError(
+                    f"weight {name} has shape {list(w.shape)}, the model built from the config expects {list(p.shape)}"
+                )
+            p.copy_(w.to(dtype))
+    return model
+
+
+def capture_recipe_step(
+    source: ModelSource,
+    sample: dict[str, Any] | list[dict[str, Any]],
+    out: str,
+    *,
+    precision: str = "fp32",
+    device: str = "cpu",
+    reduction: str = "mean",
+    seed: int = 0,
+    overwrite: bool = False,
+    instrument: Callable[[nn.Module], Any] | None = None,
+    modules: str | None = None,
+    module_budget_mb: float | None = None,
+    echo: Callable[[str], Any] | None = None,
+) -> str:
+    """Capture one step of ``source`` on ``device`` under ``precision`` into a bundle at ``out``.
+
+    ``instrument(model)`` runs after the model is built and before the step (tests plant faults
+    with it; users can attach their own hooks).
+    """
+    check_output(out, overwrite)  # before the step is spent
+    torch.manual_seed(seed)
+    pol = capture_policy(precision)
+    recipe = source.recipe
+    w = source.weights
+    shapes = w.shapes() if hasattr(w, "shapes") else {n: list(t.shape) for n, t in w.items()}
+    check_shapes(recipe, source.config, shapes, source.origin, error=RecipeError, fix="config.json and the checkpoint disagree")
+    model = build_model(recipe, source.config, source.weights, torch_dtype(pol.param_dtype))
+    if isinstance(sample, list):  # several samples packed into one sequence
+        inputs = recipe.pack_inputs([recipe.prepare_inputs(source, model, smp) for smp in sample])
+    else:
+        inputs = recipe.prepare_inputs(source, model, sample)
+    dev = torch.device(device)
+    model.to(dev)
+    if instrument is not None:
+        instrument(model)
+    inputs = {k: v.to(dev) for k, v in inputs.items()}
+    names = None
+    budget = int(module_budget_mb * 2**20) if module_budget_mb is not None else None
+    if modules:
+        names = select_modules(recipe, model, modules)
+        estimate = estimate_module_bytes(recipe, model, names, inputs, reduction, pol, dev)
+        if echo:
+            echo(f"recording {len(names)} module boundaries: about {estimate / 2**20:.1f} MiB"
+                 + (f" (budget {module_budget_mb:g} MiB)" if budget else ""))  # fmt: skip
+        if budget is not None and estimate > budget:
+            raise RecipeError(
+                f"module capture needs about {estimate / 2**20:.1f} MiB, over the budget of {module_budget_mb:g} MiB; "
+                "select fewer modules (--modules) or raise --budget-mb"
+            )
+    model.zero_grad(set_to_none=True)
+    with Capture(
+        model,
+        out,
+        precision=precision,
+        recipe=recipe.name,
+        model_config=source.config,
+        seed=seed,
+        overwrite=overwrite,
+        metadata={"model": source.origin},
+        modules=names,
+        module_budget_bytes=budget,
+    ) as cap:
+        with pol.autocast(dev.type):
+            loss, n_tokens = recipe.forward_loss(model, inputs, reduction)
+        cap.add_inputs(**{k: v for k, v in inputs.items() if k not in cap.inputs})
+        cap.set_loss(loss, reduction=reduction, num_tokens=n_tokens)
+        loss.backward()
+    return out
+
+
+def select_modules(recipe: Recipe, model: nn.Module, spec: str) -> list[str]:
+    """``spec``: comma-separated boundary presets of the recipe (``layers,vit``), or a regex."""
+    presets = recipe.boundaries()
+    parts = [p.strip() for p in spec.split(",")]
+    pattern = "|".join(f"(?:{presets[p]})" for p in parts) if all(p in presets for p in parts) else spec
+    try:
+        names = select(model, pattern)
+    except re.error as e:
+        raise RecipeError(f"--modules {spec!r} is neither presets ({', '.join(presets)}) nor a valid regex ({e})") from e
+    if not names:
+        raise RecipeError(f"--modules {spec!r} selects no module; presets: {', '.join(presets)}")
+    return names
+
+
+def estimate_module_bytes(recipe, model, names, inputs, reduction, pol, dev) -> int:
+    """A forward-only dry run counting boundary bytes; gradients double the floating part."""
+    with ModuleRecorder(model, names, dry_run=True) as rec, torch.no_grad(), pol.autocast(dev.type):
+        recipe.forward_loss(model, inputs, reduction)
+    return 2 * rec.bytes

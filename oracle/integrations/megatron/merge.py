@@ -1,0 +1,271 @@
+"""Merge per-rank Megatron captures (hook.py) into one ordinary capture bundle under HF names.
+
+Which ranks make the step:
+  TP   every TP rank of a stage; sharded tensors merge per layout.py, the padded vocabulary whole.
+  PP   every stage; a stage's ``decoder.layers.i`` is global layer i + its layer offset (the hook
+       records it from mcore's ``layer_number``); the loss is the last stage's.
+  DP   before ``finalize_model_grads`` each DP rank holds the gradient of its own micro-batch only:
+       the step is ONE DP rank's micro-batch (``dp_rank``, default 0), which is what a gradient
+       printed on that rank before finalize is. After finalize every DP rank holds the reduction
+       over all micro-batches: the step is all DP ranks' batches concatenated along the batch
+       dimension, and DP rank 0's copy of the gradients is taken.
+  CP   not merged (a rank holds a slice of the sequence).
+
+Gradients before finalize ("pre-finalize") of replicated norm weights are per-rank partial sums
+(layout.partial_sum: over each rank's sequence chunk for parameters Megatron marks
+``sequence_parallel``, over each rank's heads for q/k layernorm); they are summed over TP ranks
+here in float64 (what finalize's all-reduce does). After finalize every rank holds the sum; rank
+0's copy is taken and the others are checked against it.
+
+Loss convention: with ``calculate_per_token_loss`` a pre-finalize gradient is d(sum of token
+losses)/d(theta); finalize divides by the token count (summed over DP). The merged capture records
+reduction ``sum`` or ``mean`` accordingly, so its fp64 replay computes the same quantity; without
+per-token loss finalize averages the DP ranks' mean-loss gradients, which equals the mean over the
+concatenated batch only when every DP rank had as many loss tokens (checked).
+
+Config: written from the run (hfconfig.py); ``hf_config`` overrides and is checked against it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import recipe as recipes
+from ...bundle.store import Bundle, BundleWriter
+from ...errors import BundleError, MismatchError
+from .hfconfig import hf_config as run_hf_config
+from .hfconfig import with_padded_vocab
+from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
+from .names import NameMap, strip_wrappers
+from .packing import packed_inputs
+
+POST_AGREEMENT = 1e-5  # post-finalize copies of a replicated gradient must agree to this (relative)
+_LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
+
+
+def rank_bundles(paths: list[str | Path]) -> list[Bundle]:
+    """Each path is a rank bundle, or a folder of ``rank*`` bundles (hook.py's layout)."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "manifest.json").exists():
+            out.append(Bundle(p))
+        elif p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.name.startswith("rank") and (q / "manifest.json").exists())
+            if not found:
+                raise BundleError(f"{p} holds no rank bundle (rank*/manifest.json)")
+            out += [Bundle(q) for q in found]
+        else:
+            out.append(Bundle(p))  # raises InputNotFound with the path
+    for b in out:
+        if "coords" not in (b.manifest.get("megatron") or {}):  # a merged capture has a megatron section, no coords
+            raise BundleError(
+                f"{b.path} is not a Megatron rank capture (no 'megatron' section with rank coordinates); write it with oracle.integrations.megatron.hook.capture_rank"
+            )
+    return out
+
+
+def _one(metas: list[dict], key: str, what: str, default: int = 1) -> int:
+    vals = {m["coords"].get(key, default) for m in metas}
+    if len(vals) > 1:
+        raise BundleError(f"rank captures disagree on the {what}: {sorted(vals)}")
+    return vals.pop()
+
+
+def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dict[tuple[int, int, int], Bundle], dict[str, Any]]:
+    """-> {(dp, pp, tp): bundle} of the ranks that make the step, and the step's layout."""
+    metas = [b.manifest["megatron"] for b in bundles]
+    stages = {m["stage"] for m in metas}
+    if len(stages) > 1:
+        raise BundleError(f"rank captures mix stages {sorted(stages)}; merge one stage at a time")
+    stage = stages.pop()
+    tp, pp, dp = _one(metas, "tp_size", "TP size"), _one(metas, "pp_size", "PP size"), _one(metas, "dp_size", "DP size")
+    if _one(metas, "cp_size", "CP size") > 1:
+        raise BundleError("context-parallel captures (CP > 1) hold a slice of the sequence per rank; they are not merged")
+    if dp_rank is not None and not 0 <= dp_rank < dp:
+        raise BundleError(f"--dp-rank {dp_rank} is outside DP size {dp}")
+    if dp_rank is not None and stage == "post-finalize" and dp > 1:
+        raise BundleError(f"--dp-rank {dp_rank}: after finalize every DP rank holds the gradient of all {dp} DP ranks' "
+                          "batches, so the step is all of them; --dp-rank selects a micro-batch before finalize")  # fmt: skip
+    dps = [dp_rank or 0] if stage == "pre-finalize" else list(range(dp))
+    chosen: dict[tuple[int, int, int], Bundle] = {}
+    for b, m in zip(bundles, metas):
+        c = m["coords"]
+        key = (c.get("dp_rank", 0), c.get("pp_rank", 0), c["tp_rank"])
+        if key[0] not in dps:
+            continue
+        if key in chosen:
+            raise BundleError(f"two captures of DP {key[0]} PP {key[1]} TP {key[2]}: {chosen[key].path} and {b.path}")
+        chosen[key] = b
+    missing = [f"DP {d} PP {p} TP {t}" for d in dps for p in range(pp) for t in range(tp) if (d, p, t) not in chosen]
+    if missing:
+        raise BundleError(
+            f"TP {tp} x PP {pp} (DP ranks {dps}) but the captures of {', '.join(missing[:6])} are missing; pass every rank's bundle"
+        )
+    for d in dps:
+        for p in range(pp):
+            ref = chosen[d, p, 0]
+            fp = ref.fingerprint()["inputs"]
+            for t in range(1, tp):
+                if chosen[d, p, t].fingerprint()["inputs"] != fp:
+                    raise MismatchError(
+                        f"{chosen[d, p, t].path} saw another batch than {ref.path}: TP ranks of one step share the batch"
+                    )
+    return chosen, {"stage": stage, "tp": tp, "pp": pp, "dp": dp, "dps": dps, "meta": metas[0]}
+
+
+def _global_name(mname: str, offset: int) -> str:
+    """A stage-local mcore name with its decoder layer index made global."""
+    return _LAYER.sub(lambda m: f"{m[1]}{int(m[2]) + offset}{m[3]}", mname, count=1) if offset else mname
+
+
+def _inputs(chosen: dict, info: dict) -> dict[str, torch.Tensor]:
+    """The step's batch: union over stages (a stage may hold only what it uses), DP ranks concatenated."""
+    per_dp = []
+    for d in info["dps"]:
+        batch: dict[str, torch.Tensor] = {}
+        for p in range(info["pp"]):
+            b = chosen[d, p, 0]
+            for n in b.names("inputs"):
+                t = b.load("inputs", n)
+                if n in batch and not torch.equal(batch[n], t):
+                    raise MismatchError(f"inputs/{n}: pipeline stages 0 and {p} of DP rank {d} saw different values")
+                batch[n] = t
+        per_dp.append(batch)
+    if len(per_dp) == 1:
+        return per_dp[0]
+    keys = set(per_dp[0])
+    if any(set(b) != keys for b in per_dp) or "cu_seqlens" in keys:
+        raise BundleError("DP ranks recorded different input names (or packed cu_seqlens); merge one DP rank with --dp-rank")
+    try:
+        return {n: torch.cat([b[n] for b in per_dp], 0) for n in keys}  # (DP*B, ...)
+    except RuntimeError as e:
+        raise BundleError(
+            f"DP ranks' batches do not concatenate along the batch dimension ({e}); merge one with --dp-rank"
+        ) from None
+
+
+def _loss(chosen: dict, info: dict) -> dict[str, Any]:
+    last = [chosen[d, info["pp"] - 1, 0] for d in info["dps"]]
+    loss = dict(last[0].get("loss") or {})
+    if len(last) == 1:
+        return loss
+    metas = [b.manifest["megatron"] for b in last]
+    ns = [m.get("num_tokens") for m in metas]
+    given = [m.get("loss_as_given") for m in metas]
+    per_token = metas[0].get("calculate_per_token_loss")
+    if not per_token and len(set(ns)) > 1:
+        raise BundleError(f"without per-token loss finalize averages per-rank means over DP ranks with {ns} loss tokens; "
+                          "that is no mean over the concatenated batch: merge one DP rank with --dp-rank")  # fmt: skip
+    total = sum(ns) if None not in ns else None
+    if None not in given:
+        loss["value"] = sum(given) / total if per_token and total else sum(given) / len(given)
+    loss["num_tokens"] = total
+    return loss
+
+
+def _merge(mname: str, group: str, kind: str, shards: list[torch.Tensor], heads: Heads, dim: int) -> tuple[torch.Tensor, ...]:
+    """layout.merge_tensor, its shape errors naming the tensor (torch's own included)."""
+    try:
+        return merge_tensor(kind, shards, heads=heads, dim=dim)
+    except (BundleError, RuntimeError) as e:
+        raise BundleError(f"{group}/{mname} ({kind}, shards {[tuple(t.shape) for t in shards]}): {e}") from None
+
+
+def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_config: dict[str, Any] | None = None,
+                dp_rank: int | None = None, overwrite: bool = False) -> Path:  # fmt: skip
+    bundles = rank_bundles(paths)
+    chosen, info = select_ranks(bundles, dp_rank)
+    rec = recipes.get(recipe)
+    if not rec.megatron_names:
+        raise BundleError(f"recipe {recipe!r} has no megatron_names table")
+    names = NameMap(rec.megatron_names)
+    meta = info["meta"]
+    run = dict(meta.get("config") or {})
+    config, true_vocab = run_hf_config(run, recipe, hf_config)
+    heads = Heads.from_config(run) if run.get("num_attention_heads") else Heads.from_hf(config)
+    tp, pp, stage = info["tp"], info["pp"], info["stage"]
+    heads.check(tp)
+    gated = run.get("gated_linear_unit", True)
+    d0 = info["dps"][0]
+    weights: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    mapping: dict[str, dict[str, Any]] = {}
+    warnings: list[str] = []
+    for p in range(pp):
+        ranks = [chosen[d0, p, t] for t in range(tp)]
+        stage_meta = ranks[0].manifest["megatron"]
+        offset = int(stage_meta.get("layer_offset") or 0)
+        for mname in ranks[0].names("weights"):
+            layout = stage_meta["layout"].get(mname, {})
+            local = strip_wrappers(mname)
+            kind = kind_of(local, {**layout, "gated": gated})
+            gname = _global_name(local, offset)
+            hf = names.to_hf(gname)
+            per_rank_w = [b.load("weights", mname) for b in ranks]
+            shapes = {tuple(t.shape) for t in per_rank_w}
+            if len(shapes) > 1:
+                raise BundleError(
+                    f"{mname}: TP shards have different shapes {sorted(shapes)}; the rank captures do not fit together"
+                )
+            dim = max(layout.get("partition_dim", 0), 0)
+            partial = partial_sum(local, tp=tp, marked=bool(layout.get("sequence_parallel", False)))
+            merged_w = _merge(mname, "weights", kind, per_rank_w, heads, dim)
+            if kind in ("norm", "copy") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
+                warnings.append(f"{mname}: replicated weight differs across TP ranks; rank 0's copy is used")
+            if ranks[0].has("grads", mname):
+                per_rank_g = [b.load("grads", mname) for b in ranks]
+                if kind in ("norm", "copy"):
+                    if stage == "pre-finalize" and partial:
+                        merged_g = (torch.stack([g.double() for g in per_rank_g]).sum(0).to(per_rank_g[0].dtype),)
+                    else:
+                        merged_g = (per_rank_g[0],)
+                        ref = per_rank_g[0].double()
+                        for r, g in enumerate(per_rank_g[1:], 1):
+                            if float((g.double() - ref).norm()) > POST_AGREEMENT * max(float(ref.norm()), 1e-30):
+                                warnings.append(
+                                    f"{mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used"
+                                )
+                else:
+                    merged_g = _merge(mname, "grads", kind, per_rank_g, heads, dim)
+                for n, t in zip(hf, merged_g):
+                    grads[n] = t
+            for n, t in zip(hf, merged_w):
+                if n in weights:
+                    raise BundleError(f"{n} comes from two mcore parameters (the second is {mname} of stage {p}); "
+                                      "the stages' layer offsets overlap")  # fmt: skip
+                weights[n] = t
+            mapping[gname] = {
+                "hf": hf,
+                "kind": kind,
+                "partial_before_finalize": partial,
+                "dim": dim,
+                "pp_rank": p,
+                "local": mname,
+            }
+    vocab_rows = {int(weights[m["hf"][0]].shape[0]) for m in mapping.values() if m["kind"] == "vocab"}
+    padded = vocab_rows.pop() if len(vocab_rows) == 1 else run.get("vocab_size")
+    config, given_true = with_padded_vocab(config, recipe, padded)
+    true_vocab = true_vocab or given_true
+    inputs, packing = packed_inputs(_inputs(chosen, info))
+    loss = _loss(chosen, info)
+    with BundleWriter(out, "capture", overwrite=overwrite) as w:
+        w.manifest.update(
+            recipe={"name": recipe, "config": config}, precision=chosen[d0, 0, 0].get("precision"),
+            device=chosen[d0, 0, 0].get("device"), versions=chosen[d0, 0, 0].get("versions"), loss=loss, seed=None,
+            megatron={"stage": stage, "tp_size": tp, "pp_size": pp, "dp_size": info["dp"], "dp_ranks": info["dps"],
+                      "sequence_parallel": bool(run.get("sequence_parallel")),
+                      "calculate_per_token_loss": meta.get("calculate_per_token_loss"), "num_tokens": loss.get("num_tokens"),
+                      "seq_length": run.get("seq_length"),
+                      "vocab": {"padded": padded, "true": true_vocab,
+                                "divisible_by": run.get("make_vocab_size_divisible_by", VOCAB_DIVISIBLE_BY)},
+                      "config": {**heads.as_config(), **run}, "mapping": mapping, "packing": packing,
+                      "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
+        )  # fmt: skip
+        w.add("inputs", inputs)
+        w.add("weights", weights)
+        w.add("grads", grads)
+    return Path(out)

@@ -1,0 +1,280 @@
+"""One replay spread over several processes and machines with torch.distributed (gloo, CPU).
+
+Ranks are started by torchrun (``torchrun --nnodes M --nproc-per-node N -m oracle replay ...``) or
+by ``oracle replay ... --nproc N`` (oracle/parallel/launch.py: N local processes, the same environment
+rendezvous over 127.0.0.1). The environment says who is who (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); without WORLD_SIZE > 1 nothing here is used and the replay is the single process one.
+
+Who does what: work that is independent is dealt round-robin (emulated ensemble member k and the
+k-th selected module of a local replay belong to rank k % WORLD_SIZE); each rank computes exactly
+what the single process computes for that member or module (the same seeds, the same ops), so
+the result is bitwise the single-process one at the same thread count per process. Rank 0 writes
+the one bundle; the other ranks send their parts to it (safetensors bytes and JSON over gloo
+send/recv; no pickle), so nothing is assembled by hand and no shared file system is needed.
+
+Faults: every rank beats a heartbeat into the rendezvous store every HEARTBEAT_S; a watchdog
+thread on rank 0 watches all ranks, the others watch rank 0. A rank whose heartbeat has not moved
+for ``ORACLE_RANK_TIMEOUT`` seconds (default 60), or a store that no longer answers (rank 0 gone),
+stops this process with a message naming the rank and exit code ``RankError.exit_code`` (11);
+gloo's own timeout (the same value) bounds each transfer. Long computations never sit inside a
+collective: a rank announces in the store that its parts are ready and sends only when rank 0
+asks for them, so the timeout is about silence, not about how long a rank computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RankError
+
+HEARTBEAT_S = 1.0
+CHUNK = 64 << 20  # bytes per gloo message when a file is sent
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("ORACLE_RANK_TIMEOUT", "60"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0")) if world() > 1 else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def mine(k: int) -> bool:
+    """Independent item k (ensemble member, module) belongs to this rank."""
+    return k % world() == rank()
+
+
+def owner(k: int) -> int:
+    return k % world()
+
+
+_STATE: dict[str, object] = {}
+
+
+def init() -> bool:
+    """Join the process group once (gloo, env rendezvous) and start the heartbeat/watchdog.
+    Returns whether this run is distributed."""
+    if world() <= 1:
+        return False
+    if dist.is_initialized():
+        return True
+    t = timeout_s()
+    try:
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=t))
+    except (RuntimeError, ValueError) as e:  # DistStoreError and friends: a rank missing, a wrong address
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise RankError(f"rank {rank()} of {world()}: the rendezvous at {where} did not complete within {t:.0f} s "
+                        f"({str(e).splitlines()[0]}): a rank did not start, or MASTER_ADDR/MASTER_PORT differ") from None  # fmt: skip
+    store = dist.distributed_c10d._get_default_store()
+    _STATE["store"] = store
+    thread = threading.Thread(target=_watch, args=(store, rank(), world(), t), name="oracle-watchdog", daemon=True)
+    thread.start()
+    return True
+
+
+def _die(msg: str) -> None:
+    print(f"error: rank {rank()}: {msg}", file=sys.stderr, flush=True)
+    os._exit(RankError.exit_code)
+
+
+def _watch(store, me: int, n: int, t: float) -> None:
+    """Heartbeat and watchdog in one thread: beat, then check the peers' beats moved within t."""
+    peers = range(1, n) if me == 0 else [0]
+    beat = 0
+    last: dict[int, tuple[bytes, float]] = {}
+    while not _STATE.get("finished"):
+        beat += 1
+        now = time.monotonic()
+        try:
+            store.set(f"oracle/hb/{me}", str(beat))
+            for p in peers:
+                v = store.get(f"oracle/hb/{p}") if store.check([f"oracle/hb/{p}"]) else b""
+                if p not in last or last[p][0] != v:
+                    last[p] = (v, now)
+                elif now - last[p][1] > t:
+                    _die(f"rank {p} stopped answering: no heartbeat for {t:.0f} s (hung or killed); "
+                         "the run is stopped; run the same command again to resume from the journals")  # fmt: skip
+        except Exception as e:  # the store lives in rank 0: it is gone
+            if _STATE.get("finished"):
+                return
+            _die(f"rank 0 is gone (the rendezvous store does not answer: {type(e).__name__}); the run is stopped; "
+                 "run the same command again to resume from the journals")  # fmt: skip
+        time.sleep(HEARTBEAT_S)
+
+
+def finish() -> None:
+    """The run is over on this rank: the watchdog stops watching (rank 0 leaves first)."""
+    if world() > 1 and dist.is_initialized():
+        store = _STATE["store"]
+        if rank() == 0:  # keep the store up until every rank has read that the bundle is out
+            store.set("oracle/published", "1")
+            _wait(store, [f"oracle/finished/{r}" for r in range(1, world())])
+            _STATE["finished"] = True
+        else:
+            _wait(store, ["oracle/published"])
+            _STATE["finished"] = True
+            store.set(f"oracle/finished/{rank()}", "1")
+
+
+def _wait(store, keys: list[str]) -> None:
+    """Wait for keys in the store; the watchdog thread ends the process if a peer goes silent."""
+    while not store.check(keys):
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def collectives(what: str):
+    """Gloo errors inside ``what`` (a peer that left: connection closed, or gloo's timeout) become a
+    RankError naming this rank and what it was doing; anything else passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if world() > 1 and any(k in text.lower() for k in ("gloo", "connection closed", "connection reset", "timed out")):
+            raise RankError(f"rank {rank()} of {world()}: a peer left during {what} ({text.splitlines()[0][:200]}); "
+                            "the run is stopped; run the same command again") from None  # fmt: skip
+        raise
+
+
+def barrier(tag: str) -> None:
+    """Every rank reached ``tag``: a wait in the store, not in a gloo collective, so ranks that get
+    here minutes apart (building a large model) do not hit gloo's timeout; silence is the watchdog's."""
+    if world() <= 1:
+        return
+    store = _STATE["store"]
+    store.set(f"oracle/barrier/{tag}/{rank()}", "1")
+    _wait(store, [f"oracle/barrier/{tag}/{r}" for r in range(world())])
+
+
+# -- parts sent to rank 0 -----------------------------------------------------------------------------
+def _send_bytes(data: bytes, dst: int) -> None:
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    dist.send(n, dst)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def _recv_bytes(src: int) -> bytes:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src)
+    if int(n) == 0:
+        return b""
+    buf = torch.empty(int(n), dtype=torch.uint8)
+    dist.recv(buf, src)
+    return buf.numpy().tobytes()
+
+
+def _send_file(path: Path, dst: int) -> None:
+    size = path.stat().st_size
+    dist.send(torch.tensor([size], dtype=torch.int64), dst)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), dst)
+
+
+def _recv_file(path: Path, src: int) -> None:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src)
+    left = int(n)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        while left:
+            buf = torch.empty(min(CHUNK, left), dtype=torch.uint8)
+            dist.recv(buf, src)
+            f.write(buf.numpy().tobytes())
+            left -= buf.numel()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def parts_dir(out: Path):
+    """A private folder beside ``out`` for parts in transit (same file system: adopting is a rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.parts-r{rank()}-") as tmp:
+        yield Path(tmp)
+
+
+def save_part(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict]:
+    """Write ``tensors`` as one safetensors file; return the manifest entries BundleWriter.adopt takes."""
+    from safetensors.torch import save_file
+
+    from ..bundle.store import tensor_sha256, value_sha256
+
+    clean = {n: t.detach().contiguous() for n, t in tensors.items()}
+    save_file(clean, str(path))
+    return {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t),
+                "value_sha256": value_sha256(t)} for n, t in clean.items()}  # fmt: skip
+
+
+def send_parts(tag: str, meta: dict, files: list[Path] = ()) -> None:  # type: ignore[assignment]
+    """From a rank > 0: announce its parts ``tag`` are ready, wait until rank 0 asks, send ``meta``
+    (JSON) and ``files`` (their bytes, in order)."""
+    store = _STATE["store"]
+    me = rank()
+    store.set(f"oracle/ready/{tag}/{me}", "1")
+    _wait(store, [f"oracle/go/{tag}/{me}"])
+    try:
+        _send_bytes(json.dumps({**meta, "files": [p.name for p in files]}).encode(), 0)
+        for p in files:
+            _send_file(p, 0)
+    except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
+        raise RankError(
+            f"rank {me}: sending {tag} to rank 0 failed ({str(e).splitlines()[0]}); run the same command again to resume"
+        ) from None
+
+
+def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
+    """On rank 0: wait until rank ``src`` has its parts ``tag`` ready, take its JSON and its files
+    (written under ``into``, by their names)."""
+    store = _STATE["store"]
+    _wait(store, [f"oracle/ready/{tag}/{src}"])
+    store.set(f"oracle/go/{tag}/{src}", "1")
+    try:
+        meta = json.loads(_recv_bytes(src).decode())
+        for name in meta["files"]:
+            assert into is not None and "/" not in name and name not in (".", ".."), name
+            _recv_file(into / name, src)
+    except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
+        raise RankError(
+            f"rank {src} died while sending {tag} ({str(e).splitlines()[0]}); run the same command again to resume"
+        ) from None
+    return meta
+
+
+def spread(tag: str, items: list, compute) -> list | None:
+    """Independent JSON-able results over the ranks: ``compute(own_items) -> own results`` on every
+    rank for items k with k % ranks == rank; rank 0 returns all results in item order, the other
+    ranks send theirs to it and return None. One rank: ``compute(items)``."""
+    if world() <= 1:
+        return compute(items)
+    own = [x for k, x in enumerate(items) if mine(k)]
+    rows = compute(own) if own else []
+    if not is_main():
+        send_parts(tag, {"rows": rows})
+        return None
+    by_k = dict(zip([k for k in range(len(items)) if mine(k)], rows))
+    for r in range(1, world()):
+        theirs = [k for k in range(len(items)) if owner(k) == r]
+        by_k.update(zip(theirs, recv_parts(tag, r)["rows"]))
+    return [by_k[k] for k in range(len(items))]

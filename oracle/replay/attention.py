@@ -1,0 +1,364 @@
+"""Exact attention by chunks: softmax(q k^T * scale + mask) v in O(T x chunk) memory.
+
+What is computed, in which dtype
+  Every operation runs in the dtype of q, k, v (float64 in the oracle, float32 in emulated
+  replays, where PrecisionMode rounds each op as it would any other). Nothing is cast: there is
+  no float32 softmax here (transformers' eager attention casts to float32; this does not).
+  The mask is structural only: causal or not, and block-diagonal over packed samples given by
+  ``cu_seqlens`` = [0, l1, l1+l2, ..., T]. Query i of sample s sees keys j of sample s with
+  j <= i (causal) or all of them (not causal). Key chunks that a query chunk cannot see (above
+  the diagonal, other samples) are never computed, so the cost follows the real work.
+
+Forward (FlashAttention-2 recurrence), per sample, per query chunk Q_i, over key chunks K_j:
+    S   = (Q_i * scale) K_j^T                       (masked entries -> -inf)
+    m'  = max(m, rowmax S);  P = exp(S - m')
+    l   = l * exp(m - m') + rowsum P
+    acc = acc * exp(m - m') + P V_j;  m = m'
+    out = acc / l;  lse = m + log(l)                (only lse is kept for the backward)
+Backward, recomputing S chunk by chunk from q, k, v and lse (nothing T x T is stored):
+    P = exp(S - lse);  Dlt_i = rowsum(dO_i * O_i)
+    dV_j += P^T dO_i;  dP = dO_i V_j^T;  dS = P * (dP - Dlt_i)
+    dQ_i += dS K_j (times scale once at the end);  dK_j += dS^T (Q_i * scale)
+GQA: q is laid out once as (B, Hkv, T, H/Hkv, D), so a chunk of queries of the H/Hkv heads that
+share a key/value head is one (chunk_q * H/Hkv, D) matrix against that head's K_j, V_j: the
+repeated k/v of transformers' repeat_kv never exist, and no block is copied.
+
+Difference from unchunked attention: the same sums in another order, and the softmax
+normalisation applied once at the end instead of to every probability. Each output element is
+within a few ulp of the dtype times (sum |p v| / |sum p v|) of eager attention in the same
+dtype; measured against eager float64: ~1e-16 relative (tests/test_attention.py asserts
+<= 1e-13 for outputs and gradients). Not bitwise.
+
+Memory: one (B, Hkv, chunk_q * H/Hkv, chunk_k) score block at a time (two in the backward: P
+and dS), plus O(T x H x D) accumulators; the backward adds dQ, dK, dV (the size of q, k, v).
+With chunk 512 and 32 query heads a float64 score block is 64 MiB.
+
+transformers: ``register()`` adds ``NAME`` ("oracle_chunked") to ``AttentionInterface`` and to
+``AttentionMaskInterface`` (a mask function that builds no mask: it checks the pattern asked
+for is causal or bidirectional, optionally per packed sample, and returns None). Set
+``model.config._attn_implementation`` and its sub-configs to ``NAME`` (``use(model)`` does it).
+Sample boundaries of a packed text sequence come from, in order: ``cu_seq_lens_q`` /
+``cu_seqlens`` keyword arguments; the ``packed(cu_seqlens)`` context (causal calls only: the
+ViT's per-image calls are not causal and never take it); the ``position_ids`` keyword
+(2-D text positions) by transformers' own rule (a new sample starts where a position is not
+the previous one plus 1), the rule its mask builder uses to detect packing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import RecipeError
+
+NAME = "oracle_chunked"
+CHUNK = 512
+
+
+class AttentionLayoutError(RecipeError):
+    """Attention inputs this implementation cannot compute exactly (a mask tensor, padding,
+    a KV cache, sample boundaries that do not cover the sequence)."""
+
+
+# -- the kernel ---------------------------------------------------------------------------
+
+
+def _segments(cu: list[int], causal: bool, T: int, S: int) -> list[tuple[int, int, int, int]]:
+    """(query start, query end, key start, key end) of each sample."""
+    if len(cu) > 2 or causal:
+        return [(cu[s], cu[s + 1], cu[s], cu[s + 1]) for s in range(len(cu) - 1) if cu[s + 1] > cu[s]]
+    return [(0, T, 0, S)]
+
+
+def _blocks(seg, causal: bool, cq: int, ck: int):
+    """Yield (i0, i1, [(j0, j1, needs_mask), ...]) for one sample: the key chunks each query chunk sees."""
+    q0, q1, k0, k1 = seg
+    for i0 in range(q0, q1, cq):
+        i1 = min(i0 + cq, q1)
+        kend = i1 if causal else k1  # causal: keys up to the last query of the chunk
+        ks = []
+        for j0 in range(k0, kend, ck):
+            j1 = min(j0 + ck, kend)
+            ks.append((j0, j1, causal and j1 - 1 > i0))  # some key after some query: mask
+        yield i0, i1, ks
+
+
+def _causal_fill_(s: torch.Tensor, g: int, i0: int, i1: int, j0: int, j1: int, value: float) -> torch.Tensor:
+    """In place: entries of a (B, Hkv, tq*g, sk) block whose key comes after its query -> value."""
+    qi = torch.arange(i0, i1, device=s.device).view(-1, 1, 1)  # (tq, 1, 1)
+    kj = torch.arange(j0, j1, device=s.device).view(1, 1, -1)  # (1, 1, sk)
+    s.view(*s.shape[:2], i1 - i0, g, j1 - j0).masked_fill_(kj > qi, value)  # rows are (query, head of the group)
+    return s
+
+
+def _grouped(q: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B, H, T, D) -> (B, Hkv, T, g, D), contiguous: a chunk of queries of all g heads sharing a kv
+    head is then one (tq*g, D) matrix against that head's keys (no repeated k/v, no copy per block)."""
+    B, H, T, D = q.shape
+    return q.view(B, Hkv, H // Hkv, T, D).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, T, g, D) -> (B, H, T, D): head h = kv head h // g, as transformers' repeat_kv."""
+    B, Hkv, T, g, D = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(B, Hkv * g, T, D)
+
+
+def _forward(q, k, v, cu, causal, scale, cq, ck):
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = H // Hkv
+    qg = _grouped(q, Hkv) * scale  # (B, Hkv, T, g, D), a new tensor (never scale q in place): S = (q * scale) k^T
+    out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
+    for seg in _segments(cu, causal, T, S):
+        for i0, i1, ks in _blocks(seg, causal, cq, ck):
+            qi = qg[:, :, i0:i1].reshape(B, Hkv, (i1 - i0) * g, D)  # (B, Hkv, tq*g, D), a view
+            m = torch.full(qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)  # (B, Hkv, tq*g)
+            lsum = torch.zeros_like(m)
+            acc = torch.zeros(*qi.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+            for j0, j1, needs_mask in ks:
+                s = torch.matmul(qi, k[:, :, j0:j1].transpose(-1, -2))  # (B, Hkv, tq*g, sk)
+                if needs_mask:
+                    _causal_fill_(s, g, i0, i1, j0, j1, -math.inf)
+                m_new = torch.maximum(m, s.amax(-1))  # finite: every row sees its first key
+                p = s.sub_(m_new.unsqueeze(-1)).exp_()  # P = exp(S - m'), in place of S
+                alpha = torch.exp(m - m_new)
+                lsum = lsum.mul_(alpha).add_(p.sum(-1))
+                acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, j0:j1]))
+                m = m_new
+            out[:, :, i0:i1] = (acc / lsum.unsqueeze(-1)).view(B, Hkv, i1 - i0, g, -1)
+            lse[:, :, i0:i1] = (m + torch.log(lsum)).view(B, Hkv, i1 - i0, g)
+    return _ungrouped(out), lse  # (B, H, T, Dv), (B, Hkv, T, g)
+
+
+def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck):
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = H // Hkv
+    qg, dog = _grouped(q, Hkv) * scale, _grouped(dout, Hkv)  # (B, Hkv, T, g, D); q * scale as in the forward
+    delta = (dog * _grouped(out, Hkv)).sum(-1)  # (B, Hkv, T, g): rowsum(dO * O)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(k)  # dS^T (q * scale): already scaled
+    dv = torch.zeros_like(v)
+    for seg in _segments(cu, causal, T, S):
+        for i0, i1, ks in _blocks(seg, causal, cq, ck):
+            n = (i1 - i0) * g
+            qi, doi = qg[:, :, i0:i1].reshape(B, Hkv, n, D), dog[:, :, i0:i1].reshape(B, Hkv, n, -1)  # (B, Hkv, tq*g, D)
+            li, di = lse[:, :, i0:i1].reshape(B, Hkv, n, 1), delta[:, :, i0:i1].reshape(B, Hkv, n, 1)
+            dqi = dq[:, :, i0:i1].view(B, Hkv, n, D)
+            for j0, j1, needs_mask in ks:
+                kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, sk, D)
+                p = torch.matmul(qi, kj.transpose(-1, -2)).sub_(li).exp_()  # (B, Hkv, tq*g, sk)
+                if needs_mask:
+                    _causal_fill_(p, g, i0, i1, j0, j1, 0.0)
+                dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), doi)  # sums over queries and the g heads
+                ds = torch.matmul(doi, vj.transpose(-1, -2)).sub_(di).mul_(p)  # dS = P * (dP - Dlt)
+                dqi += torch.matmul(ds, kj)
+                dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qi)
+    return _ungrouped(dq.mul_(scale)), dk, dv
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, causal, scale, cq, ck):
+        out, lse = _forward(q, k, v, cu, causal, scale, cq, ck)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (cu, causal, scale, cq, ck)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _validate_cu(cu_seqlens, T: int) -> list[int]:
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise AttentionLayoutError(
+            f"cu_seqlens {cu[:8]}{'...' if len(cu) > 8 else ''} must start at 0, never decrease and end at the "
+            f"sequence length {T}; pass the cumulative sample lengths [0, l1, l1+l2, ..., {T}]"
+        )
+    return cu
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    scale: float | None = None,
+    chunk_q: int = CHUNK,
+    chunk_k: int = CHUNK,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for q (B, H, T, D), k and v (B, Hkv, S, D) -> (B, H, T, Dv).
+
+    ``cu_seqlens`` (packed samples, requires S == T) applies to every batch row."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise AttentionLayoutError(f"q, k, v must be (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2] or k.shape[0] != B or k.shape[3] != D:
+        raise AttentionLayoutError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    if H % k.shape[1]:
+        raise AttentionLayoutError(f"{H} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise AttentionLayoutError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if chunk_q < 1 or chunk_k < 1:
+        raise AttentionLayoutError(f"chunk sizes must be positive; got {chunk_q}, {chunk_k}")
+    S = k.shape[2]
+    if (causal or cu_seqlens is not None) and S != T:
+        raise AttentionLayoutError(
+            f"causal or packed attention needs as many keys as queries (no KV cache); got {S} keys, {T} queries"
+        )
+    cu = _validate_cu(cu_seqlens, T) if cu_seqlens is not None else [0, T]
+    scale = D**-0.5 if scale is None else float(scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _ChunkedAttention.apply(q, k, v, cu, bool(causal), scale, int(chunk_q), int(chunk_k))
+
+
+# -- transformers integration ---------------------------------------------------------------
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def packed(cu_seqlens: torch.Tensor | Sequence[int]):
+    """Within this block, causal calls of the registered attention treat the sequence as packed
+    samples with these boundaries (``[0, l1, l1+l2, ..., T]``); non-causal calls (the ViT) ignore it."""
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    prev = getattr(_state, "cu", None)
+    _state.cu = cu
+    try:
+        yield
+    finally:
+        _state.cu = prev
+
+
+def packed_from_position_ids(position_ids: torch.Tensor) -> list[int] | None:
+    """Sample boundaries of a (1, T) text position row by transformers' rule (a sample starts
+    where a position is not the previous plus one); None when it is a single sample."""
+    pos = position_ids.reshape(-1)
+    starts = (torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1).tolist()
+    if not starts:
+        return None
+    return [0, *starts, pos.numel()]
+
+
+def _boundaries(query: torch.Tensor, causal: bool, kwargs: dict) -> list[int] | None:
+    T = query.shape[2]
+    for key in ("cu_seq_lens_q", "cu_seqlens"):
+        if kwargs.get(key) is not None:
+            return _validate_cu(kwargs[key], T)
+    from_ctx = getattr(_state, "cu", None) if causal else None
+    pos = kwargs.get("position_ids")
+    from_pos = None
+    if causal and isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[-1] == T:
+        if pos.shape[0] != 1 and not (pos == pos[:1]).all():
+            raise AttentionLayoutError("position_ids differ across the batch; pack one sequence per call (batch 1)")
+        from_pos = packed_from_position_ids(pos[0])
+    if from_ctx is not None:
+        from_ctx = _validate_cu(from_ctx, T)
+        if from_pos is not None and from_pos != from_ctx:
+            raise AttentionLayoutError(
+                f"the packed() boundaries {from_ctx} disagree with those the position_ids imply {from_pos}; "
+                "restart positions at each sample boundary, or fix the boundaries"
+            )
+        return from_ctx
+    return from_pos
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
+    """transformers' attention-function signature: query (B, H, T, D) -> ((B, T, H, D), None)."""
+    if attention_mask is not None:
+        raise AttentionLayoutError(
+            f"{NAME} takes no attention-mask tensor (got {tuple(attention_mask.shape)}): register() its mask "
+            "function, pass no padding mask, and give packed samples as cu_seqlens or position_ids"
+        )
+    if dropout and module.training:
+        raise AttentionLayoutError(f"{NAME} computes no dropout (got p={dropout}); a replayed step has none")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise AttentionLayoutError(f"{NAME} does not implement {unsupported}={kwargs[unsupported]!r}")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    cu = _boundaries(query, causal, kwargs)
+    chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
+    out = chunked_attention(query, key, value, causal=causal, cu_seqlens=cu, scale=scaling, chunk_q=chunk, chunk_k=chunk)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
+
+
+def _probe_pattern(mask_function, n: int, causal: bool) -> None:
+    """Check in O(n) probes that ``mask_function`` is causal (or bidirectional) within samples
+    and blocks across them, the only patterns attention_forward computes."""
+    if n < 2:
+        return
+    z = torch.zeros((), dtype=torch.long)
+    i = torch.arange(1, n)
+    # a sample starts at i where position i cannot see i-1 (its causal neighbour)
+    starts = [0, *(i[~mask_function(z, z, i, i - 1).bool()]).tolist(), n]
+    sample = torch.zeros(n, dtype=torch.long)
+    for s, (a, b) in enumerate(zip(starts, starts[1:])):
+        sample[a:b] = s
+    gen = torch.Generator().manual_seed(0)
+    qi = torch.cat([torch.arange(n), torch.randint(0, n, (4096,), generator=gen)])
+    kj = torch.cat([torch.arange(n).flip(0), torch.randint(0, n, (4096,), generator=gen)])
+    want = sample[qi] == sample[kj]
+    if causal:
+        want &= kj <= qi
+    got = mask_function(z, z, qi, kj).bool()
+    if not torch.equal(got, want):
+        raise AttentionLayoutError(
+            f"{NAME}: the model asks for an attention pattern other than {'causal' if causal else 'bidirectional'} "
+            "attention within packed samples (sliding window, image overlays, ...); this implementation cannot compute it"
+        )
+
+
+def mask_forward(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """transformers' mask-function signature; builds no mask (returns None) after checking there is
+    no padding, no cache offset, and a pattern attention_forward computes from its boundaries."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise AttentionLayoutError(f"{NAME} does not take padded batches: the attention_mask has zeros; pack samples instead")
+    if q_length != kv_length or int(q_offset) or int(kv_offset):
+        raise AttentionLayoutError(f"{NAME} computes a training step without a KV cache (q {q_length}, kv {kv_length} tokens)")
+    if mask_function is causal_mask_function or mask_function is bidirectional_mask_function or mask_function is None:
+        return None
+    z, i = torch.zeros((), dtype=torch.long), torch.arange(1, max(q_length, 1))
+    causal = not bool(mask_function(z, z, i - 1, i).any())  # no query sees its next key
+    _probe_pattern(mask_function, q_length, causal)
+    return None
+
+
+def register(name: str = NAME) -> str:
+    """Add the attention and mask functions to transformers' registries (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_forward)
+    return name
+
+
+def use(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
+    """Route every attention of ``model`` (its config and sub-configs: text, vision) through ``name``.
+    After ``register()``, transformers' own ``model.set_attn_implementation(NAME)`` does the same."""
+    register(name)
+    seen = set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        for c in [cfg, *(getattr(cfg, s, None) for s in getattr(cfg, "sub_configs", {}) or {})]:
+            if c is not None:
+                c._attn_implementation = name
+    return model

@@ -1,0 +1,217 @@
+"""The LM head and its cross-entropy by vocabulary chunks: the N x V logits never exist in full.
+
+What is computed, in which dtype
+  ``head_loss(hidden (N, H), weight (V, H), labels (N,))`` = sum over rows n with
+  labels[n] != ignore_index of  w_n * (logsumexp_v(hidden[n] . weight[v]) - hidden[n] . weight[labels[n]]),
+  divided by the number of those rows for ``reduction="mean"`` (w_n = 1 unless ``token_weight``).
+  Labels are already aligned with the rows (label n is the token row n predicts): the caller
+  shifts them (``causal_lm_head_loss`` does the shift ``causal_lm_loss`` does).
+  Logits are produced in the dtype of hidden and weight (float64 in the oracle, float32 in
+  emulated replays); as oracle/replay/loss.py does, float16/bfloat16 logits are upcast to float32 before
+  the log-sum-exp (one chunk at a time), and their gradient is cast back.
+
+Forward, per block of rows R and vocabulary chunk C = [v0, v1), chunks in order:
+    Z   = hidden[R] weight[C]^T                      (|R| x |C|, the only logits that exist)
+    m'  = max(m, rowmax Z);  s = s * exp(m - m') + rowsum exp(Z - m');  m = m'
+    t   = Z[r, labels[r]] where the label falls in C
+  lse = m + log s; loss = sum_r w_r (lse_r - t_r). Only lse (one value per row) is saved.
+Backward, recomputing each chunk's Z (g = the loss's incoming gradient):
+    dZ = g w_r (exp(Z - lse) - onehot(labels))      (|R| x |C|)
+    grad_hidden[R] += dZ weight[C];  grad_weight[C] += dZ^T hidden[R]
+  grad_weight[C] is final when chunk C's row blocks are done (the vocabulary loop is outermost),
+  so it is written chunk by chunk; rows with an ignored label take no compute and get zero.
+
+Difference from the full-logits loss (F.cross_entropy on hidden @ weight^T): the same terms
+summed in another order (the log-sum-exp over chunks, the gradient sums over chunks), so the loss
+and gradients equal it to a few ulp of the dtype, not bitwise; measured in float64 ~1e-16
+relative (tests/test_headloss.py asserts <= 1e-13).
+
+Tensor parallel (oracle/parallel/tensor_parallel.py): a head weight split by vocabulary rows over the ranks
+(a DTensor) is computed shard by shard, each rank its own rows; the per-row running max and sum
+are combined over the ranks (all-reduce max, then the rescaled sums) exactly as chunks are, the
+target logit comes from the rank holding it, and the gradient of hidden is summed over the ranks.
+
+Memory: O(rows x chunk) for one logit block (default 4096 x 4096: 128 MiB in float64) plus
+O(N) row statistics; the backward's gradients are the size of hidden and weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..capture.packing import IGNORE
+from ..errors import RecipeError
+
+CHUNK = 4096
+ROW_CHUNK = 4096
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class HeadLossInputError(RecipeError):
+    """Hidden states, head weight or labels that do not fit together."""
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    z = h @ w.T  # (rows, chunk) in the input dtype
+    return z.float() if z.dtype in _LOW else z  # the loss convention: low-precision logits upcast to float32
+
+
+def _spans(n: int, step: int):
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_weight, chunk, row_chunk, group=None):
+        # hidden (N', H), labels (N',) and token_weight (N',) already restricted to rows with a label;
+        # with a ``group`` (tensor parallel) weight is this rank's vocabulary shard and labels are
+        # relative to its first id (labels of other shards fall outside [0, V) and match no chunk)
+        n, V = hidden.shape[0], weight.shape[0]
+        acc = torch.float32 if hidden.dtype in _LOW else hidden.dtype
+        m = torch.full((n,), -torch.inf, dtype=acc, device=hidden.device)
+        s = torch.zeros(n, dtype=acc, device=hidden.device)
+        target = torch.zeros(n, dtype=acc, device=hidden.device)
+        for v0, v1 in _spans(V, chunk):
+            w = weight[v0:v1]  # (c, H)
+            for r0, r1 in _spans(n, row_chunk):
+                z = _logits(hidden[r0:r1], w)  # (r, c)
+                m_new = torch.maximum(m[r0:r1], z.amax(-1))
+                s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + torch.exp(z - m_new.unsqueeze(-1)).sum(-1)
+                m[r0:r1] = m_new
+                lab = labels[r0:r1]
+                inside = (lab >= v0) & (lab < v1)  # (r,)
+                rows = inside.nonzero().reshape(-1)
+                target[r0 + rows] = z[rows, lab[rows] - v0]
+        if group is not None:  # the shards' running (max, sum) combined exactly as chunks are
+            m_all = m.clone()
+            dist.all_reduce(m_all, dist.ReduceOp.MAX, group)
+            s = s * torch.exp(m - m_all)
+            dist.all_reduce(s, dist.ReduceOp.SUM, group)
+            dist.all_reduce(target, dist.ReduceOp.SUM, group)  # one shard holds each row's target, the others 0
+            m = m_all
+        lse = m + torch.log(s)  # (N',)
+        per_row = lse - target
+        loss = (per_row * token_weight).sum() if token_weight is not None else per_row.sum()
+        ctx.save_for_backward(hidden, weight, labels, lse, token_weight)
+        ctx.args = (chunk, row_chunk, group)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        hidden, weight, labels, lse, token_weight = ctx.saved_tensors
+        chunk, row_chunk, group = ctx.args
+        n, V = hidden.shape[0], weight.shape[0]
+        scale = g * token_weight if token_weight is not None else g.expand(n)  # (N',) dL/dloss_row
+        gh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for v0, v1 in _spans(V, chunk):
+            w = weight[v0:v1]  # (c, H)
+            for r0, r1 in _spans(n, row_chunk):
+                h = hidden[r0:r1]
+                dz = torch.exp(_logits(h, w) - lse[r0:r1].unsqueeze(-1))  # (r, c): softmax probabilities
+                lab = labels[r0:r1]
+                rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
+                dz[rows, lab[rows] - v0] -= 1
+                dz = (dz * scale[r0:r1].unsqueeze(-1)).to(hidden.dtype)
+                if gh is not None:
+                    gh[r0:r1] += dz @ w
+                if gw is not None:
+                    gw[v0:v1] += dz.T @ h
+        if gh is not None and group is not None:
+            dist.all_reduce(gh, dist.ReduceOp.SUM, group)  # hidden's gradient: the sum over the shards
+        return gh, gw, None, None, None, None, None
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE,
+    reduction: str = "mean",
+    chunk: int = CHUNK,
+    *,
+    row_chunk: int = ROW_CHUNK,
+    token_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden (N, H) @ weight (V, H)^T`` against ``labels (N,)`` (already shifted:
+    label n is the target of row n), by vocabulary chunks of ``chunk`` and row blocks of ``row_chunk``.
+
+    ``reduction``: ``sum`` over rows with a label, or ``mean`` = that sum / their number (1 if none).
+    ``token_weight (N,)``: optional per-row factor of the sum (Megatron's float loss mask)."""
+    if reduction not in ("sum", "mean"):
+        raise HeadLossInputError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise HeadLossInputError(
+            f"hidden {tuple(hidden.shape)} must be (N, H) and the head weight {tuple(weight.shape)} (V, H) with the same H; "
+            "flatten the batch and sequence dimensions of hidden first"
+        )
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise HeadLossInputError(f"hidden ({hidden.dtype}) and the head weight ({weight.dtype}) must share one floating dtype")
+    if labels.shape != hidden.shape[:1] or labels.is_floating_point():
+        raise HeadLossInputError(f"labels {tuple(labels.shape)} {labels.dtype} must be integer class ids, one per hidden row")
+    if token_weight is not None and token_weight.shape != labels.shape:
+        raise HeadLossInputError(f"token_weight {tuple(token_weight.shape)} must have one value per row {tuple(labels.shape)}")
+    if chunk < 1 or row_chunk < 1:
+        raise HeadLossInputError(f"chunk sizes must be positive, got chunk={chunk}, row_chunk={row_chunk}")
+    V = weight.shape[0]
+    weight, offset, group = _vocabulary_shard(weight)
+    keep = labels != ignore_index
+    bad = labels[keep & ((labels < 0) | (labels >= V))]
+    if bad.numel():
+        raise HeadLossInputError(
+            f"labels hold {bad.numel()} ids outside the vocabulary [0, {V}) that are not ignore_index={ignore_index}, "
+            f"e.g. {bad[:4].tolist()}"
+        )
+    rows = keep.nonzero().reshape(-1)
+    tw = None if token_weight is None else token_weight[rows].to(torch.float32 if hidden.dtype in _LOW else hidden.dtype)
+    total = _HeadLoss.apply(hidden[rows], weight, labels[rows] - offset, tw, int(chunk), int(row_chunk), group)
+    if reduction == "mean":
+        total = total / max(int(rows.numel()), 1)
+    return total
+
+
+def _vocabulary_shard(weight: torch.Tensor):
+    """A head weight split by vocabulary rows over a tensor-parallel mesh (a DTensor placed Shard(0),
+    oracle/parallel/tensor_parallel.py) -> (this rank's rows, their first id, the mesh's group); else as is."""
+    if type(weight).__name__ != "DTensor":
+        return weight, 0, None
+    from torch.distributed.tensor import Shard
+
+    if tuple(weight.placements) != (Shard(0),) or weight.shape[0] % weight.device_mesh.size():
+        raise HeadLossInputError(
+            f"a tensor-parallel head weight must be split evenly by vocabulary rows, got {weight.placements}"
+        )
+    local = weight.to_local()  # differentiable: its gradient comes back as this rank's shard
+    return local, weight.device_mesh.get_local_rank() * local.shape[0], weight.device_mesh.get_group()
+
+
+def causal_lm_head_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str, chunk: int = CHUNK, **kw
+) -> tuple[torch.Tensor, int]:
+    """``causal_lm_loss(hidden @ weight.T, labels, reduction)`` without the logits: hidden (B, T, H),
+    labels (B, T) unshifted; position t predicts label t+1. Returns (loss, number of loss tokens)."""
+    h = hidden[..., :-1, :].reshape(-1, hidden.shape[-1])  # (B*(T-1), H)
+    y = labels[..., 1:].reshape(-1)  # (B*(T-1),)
+    loss = head_loss(h, weight, y, IGNORE, reduction, chunk, **kw)
+    return loss, int((y != IGNORE).sum())
+
+
+def masked_token_head_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, reduction: str,
+    chunk: int = CHUNK, **kw,
+) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """``masked_token_loss(hidden @ weight.T, labels, loss_mask, reduction)`` without the logits:
+    labels already aligned with positions, loss = sum_t mask_t CE_t (``sum``) or that / sum_t mask_t
+    as an integer (``mean``), exactly as oracle/replay/loss.py's Megatron convention."""
+    if reduction not in ("sum", "mean"):
+        raise HeadLossInputError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])  # (B*T, H)
+    mask = loss_mask.reshape(-1)
+    y = torch.where(mask != 0, labels.reshape(-1), IGNORE)  # (B*T,): rows of mask 0 take no compute
+    loss = head_loss(h, weight, y, IGNORE, "sum", chunk, token_weight=mask, **kw)
+    n_tokens = int(loss_mask.sum())
+    if reduction == "mean":
+        loss = loss / max(n_tokens, 1)
+    return loss, n_tokens

@@ -1,0 +1,283 @@
+"""Teacher-forced local replay: the error born in each module, apart from what it inherits.
+
+For each module M recorded at capture (modules.py), on CPU:
+  1. M is taken from the recipe's model built in float64 with the captured weights; the device's
+     own recorded inputs of M are upcast (exact) and fed to it inside PrecisionMode(float64);
+  2. forward:  fwd   = rel_l2(device outputs of M,  float64 outputs from the device's inputs)
+  3. backward: from the device's own grad_output of M (upcast),
+               bwd   = rel_l2(device grad_inputs of M, float64 grad_inputs)
+               param = rel_l2(device gradients of M's parameters, float64 ones)
+     (rel_l2 over all of a module's output / grad-input / parameter tensors jointly: sqrt of
+     summed squared differences over sqrt of summed squared truths)
+  4. expected: the same module from the same inputs in emulated low precision (precision/mode.py, the
+     capture's precision), K members; expected_x = max(max_k x_k, floor) -- the error an honest
+     run of that precision makes in this module alone;
+  5. ratio_x = x / expected_x: how many times the honest local error the device made here;
+  6. inherited = rel_l2(device grad_output of M, grad_output of M in the end-to-end float64
+     replay): the error M received from everything after it in the backward pass.
+The pseudo-module ``loss`` does the same for the loss alone, from the device's logits (the lm_head
+output) to the device's gradient of the logits.
+
+Each row also counts the NaN/Inf in the device's boundary tensors of M (``nonfinite``: in, out,
+gout, gin, param) and in the float64 results (``truth_nonfinite``), and M's place in the forward
+(``order``), so that scoring can name where non-finite values are born. Scoring and rendering are
+score/local.py and report/text.py; this file only replays.
+Modules are independent, so ``workers > 1`` replays them in separate processes.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
+from tqdm import tqdm
+
+from ..bundle.shapes import check_shapes, stored_shapes
+from ..bundle.store import Bundle, BundleWriter, check_output
+from ..capture.modules import ModuleRecorder, group_name
+from ..errors import BundleError, RecipeError
+from ..metrics import rel_l2
+from ..parallel import distributed
+from ..precision import CAPTURE_NAMES, emulation
+from ..precision.mode import PrecisionMode
+from .run import run_step
+from .setup import recipe_of
+from .streaming.materialize import Weights, evict, materialize, skeleton
+
+LOSS = "loss"
+
+
+def _rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
+    return rel_l2(dev, ref) if ref else None
+
+
+def _nonfinite(ts: list[torch.Tensor]) -> int:
+    return sum(int((~t.isfinite()).sum()) for t in ts if t.is_floating_point())
+
+
+class _Worker:
+    """Per-process state: the capture, and per dtype a skeleton of the model (parameters on the meta
+    device, oracle/replay/streaming/materialize.py) whose modules are materialised from the capture only while they
+    are replayed: no worker ever holds the whole model."""
+
+    def __init__(self, capture: str):
+        self.cap = Bundle(capture)
+        self.recipe = recipe_of(self.cap)
+        self.models: dict[str, torch.nn.Module] = {}
+        self._live: dict[str, str] = {}  # dtype -> the module materialised in that skeleton now
+
+    def model(self, dtype: str) -> torch.nn.Module:
+        if dtype not in self.models:
+            compute = emulation(dtype)[0]
+            cfg = self.cap.manifest["recipe"]["config"]
+            shapes, where = stored_shapes(self.cap)
+            check_shapes(self.recipe, cfg, shapes, where)
+            self.models[dtype] = skeleton(self.recipe, cfg, compute, PrecisionMode(compute))
+        return self.models[dtype]
+
+    def module(self, dtype: str, name: str) -> torch.nn.Module:
+        """Module ``name`` of the ``dtype`` skeleton with its captured weights (the previous one evicted)."""
+        model = self.model(dtype)
+        live = self._live.get(dtype)
+        if live is not None and live != name:
+            evict(model.get_submodule(live))
+        module = model.get_submodule(name)
+        materialize(module, f"{name}.", Weights(self.cap, emulation(dtype)[0]))
+        self._live[dtype] = name
+        return module
+
+    def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None) -> dict[str, list[torch.Tensor]]:
+        """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs (inside ``mode``
+        when given: explain.py's per-op-class modes, on the ``dtype`` model)."""
+        compute, round_to, ops = emulation(dtype)
+        meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
+        group = group_name(name if name != LOSS else "lm_head")
+        stored = set(self.cap.names(group))
+
+        mode = mode or PrecisionMode(compute, round_to, ops, jitter_seed=jitter, device_type=self.cap.capture_device())
+
+        def load(key: str) -> torch.Tensor:
+            t = self.cap.load(group, key)
+            return t.to(compute) if t.is_floating_point() else t
+
+        def held_low(key: str) -> bool:  # the device held this boundary tensor in bf16/fp16
+            return self.cap.entry(group, key)["dtype"] in ("bfloat16", "float16")
+
+        if name == LOSS:
+            logits = load("out.0").detach().requires_grad_(True)
+            if round_to is not None and held_low("out.0"):
+                mode.mark_low(logits)
+            inputs = {n: t for n, t in self.cap.iter_group("inputs")}
+            red = (self.cap.get("loss") or {}).get("reduction", "mean")
+            with mode:
+                loss, _ = self.recipe.loss_from_logits(logits, inputs, red)
+                loss.backward()
+            g = logits.grad
+            if round_to is not None and held_low("gout.0"):
+                g = g.to(round_to).to(compute)  # stored as the device stores dL/dlogits
+            return {"out": [loss.detach().reshape(1)], "gin": [g], "param": []}
+        spec = treespec_loads(meta["in_spec"])
+        n_leaves = spec.num_leaves
+        leaves: list[Any] = []
+        for i in range(n_leaves):
+            if f"in.{i}" in stored:
+                t = load(f"in.{i}")
+                if i in meta.get("grad_in", []):
+                    t = t.detach().requires_grad_(True)
+                if round_to is not None and held_low(f"in.{i}"):
+                    mode.mark_low(t)
+                leaves.append(t)
+            else:
+                leaves.append(meta["in_static"].get(str(i)))
+        args, kwargs = tree_unflatten(leaves, spec)
+        module = self.module(dtype, name)
+        module.zero_grad(set_to_none=True)
+        with mode:
+            out = module(*args, **kwargs)
+            outs, _ = tree_flatten(out)
+            pairs = [(outs[i], load(f"gout.{i}")) for i in meta.get("grad_out", []) if f"gout.{i}" in stored]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        out_t = [o.detach() for o in outs if isinstance(o, torch.Tensor)]
+        gin = []
+        for i in meta.get("grad_in", []):
+            if f"gin.{i}" in stored and leaves[i].grad is not None:
+                g = leaves[i].grad
+                if round_to is not None and held_low(f"gin.{i}"):
+                    g = g.to(round_to).to(compute)  # the device accumulates this gradient in its own format
+                gin.append(g)
+        params = [(f"{name}.{pn}", p.grad) for pn, p in module.named_parameters() if p.grad is not None]
+        return {"out": out_t, "gin": gin, "param": [g for _, g in params], "param_names": [n for n, _ in params]}
+
+    def device(self, name: str, param_names: list[str]) -> dict[str, list[torch.Tensor]]:
+        meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
+        group = group_name(name if name != LOSS else "lm_head")
+        stored = set(self.cap.names(group))
+        if name == LOSS:
+            lv = (self.cap.get("loss") or {}).get("value")
+            return {"out": [torch.tensor([lv], dtype=torch.float64)], "gin": [self.cap.load(group, "gout.0")], "param": [],
+                    "in": [self.cap.load(group, "out.0")], "gout": []}  # fmt: skip
+
+        def leaves(prefix: str) -> list[torch.Tensor]:
+            keys = sorted((k for k in stored if k.startswith(prefix)), key=lambda k: int(k.split(".")[1]))
+            return [self.cap.load(group, k) for k in keys]
+
+        gin = [self.cap.load(group, f"gin.{i}") for i in meta.get("grad_in", []) if f"gin.{i}" in stored]
+        grads = set(self.cap.names("grads"))
+        return {"out": leaves("out."), "gin": gin, "param": [self.cap.load("grads", n) for n in param_names if n in grads],
+                "in": leaves("in."), "gout": leaves("gout.")}  # fmt: skip
+
+
+_STATE: dict[str, _Worker] = {}
+
+
+def _worker(capture: str) -> _Worker:
+    if capture not in _STATE:
+        _STATE[capture] = _Worker(capture)
+    return _STATE[capture]
+
+
+def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[str, Any]:
+    w = _worker(capture)
+    meta = w.cap.manifest["modules"].get(name if name != LOSS else "lm_head", {})
+    truth = w.run(name, "fp64", None)
+    dev = w.device(name, truth.get("param_names", []))
+    row: dict[str, Any] = {"module": name, "calls": meta.get("calls", 1), "order": meta.get("order")}
+    if name == LOSS:
+        row["order"] = len(w.cap.manifest["modules"])  # after every module's forward: first in the backward
+    row["nonfinite"] = {k: _nonfinite(dev[k]) for k in ("in", "out", "gout", "gin", "param")}
+    row["truth_nonfinite"] = {k: _nonfinite(truth[k]) for k in ("out", "gin", "param")}
+    keys = ("out", "gin", "param") if meta.get("calls", 1) == 1 else ("out", "gin")
+    labels = {"out": "fwd", "gin": "bwd", "param": "param"}
+    for k in keys:
+        row[labels[k]] = _rel(dev[k], truth[k]) if len(dev[k]) == len(truth[k]) else None
+    expected: dict[str, list[float]] = {labels[k]: [] for k in keys}
+    for m in range(members):
+        emu = w.run(name, emulate, None if m == 0 else 2000 + m)
+        for k in keys:
+            v = _rel(emu[k], truth[k]) if len(emu[k]) == len(truth[k]) else None
+            if v is not None:
+                expected[labels[k]].append(v)
+    for lab, vals in expected.items():
+        row[f"expected_{lab}"] = max(vals) if vals else None
+    return row
+
+
+def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
+    """grad_output of each module in the end-to-end float64 replay vs the device's."""
+    real = [n for n in names if n != LOSS]
+    recorders: list[ModuleRecorder] = []
+
+    def record(model):
+        recorders.append(ModuleRecorder(model, real))
+        recorders[-1].__enter__()
+
+    try:
+        run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
+    finally:
+        for r in recorders:
+            r.close()
+    rec = recorders[0]
+    out: dict[str, float | None] = {}
+    for n in real:
+        meta, group = cap.manifest["modules"][n], group_name(n)
+        keys = [f"gout.{i}" for i in meta.get("grad_out", [])]
+        dev = [cap.load(group, k) for k in keys if cap.has(group, k)]
+        ref = [rec.tensors[n][k] for k in keys if k in rec.tensors[n]]
+        out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) else None
+    out[LOSS] = 0.0 if LOSS in names else None  # the loss receives the constant 1: nothing to inherit
+    return out
+
+
+def replay_local(
+    capture: str | Path, out: str | Path, *, modules: str | None = None, members: int = 2, workers: int = 1,
+    overwrite: bool = False, progress: bool = False,
+) -> Path:  # fmt: skip
+    cap = Bundle(capture)
+    check_output(out, overwrite)
+    recorded = cap.get("modules") or {}
+    if not recorded:
+        raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all)")
+    names = sorted(recorded)
+    if modules:
+        try:
+            rx = re.compile(modules)
+        except re.error as e:
+            raise RecipeError(f"--modules {modules!r} is not a valid regex ({e})") from e
+        names = [n for n in names if rx.search(n)]
+    if "lm_head" in recorded and (not modules or re.search(modules, LOSS)):
+        names.append(LOSS)
+    if not names:
+        raise RecipeError(f"--modules {modules!r} matches none of the {len(recorded)} recorded modules")
+    precision = cap.get("precision") or "fp32"
+    emulate = precision if precision in CAPTURE_NAMES else "fp32"
+    path = str(cap.path)
+    bar = dict(total=len(names), desc="local replay", unit="module", disable=not progress)
+
+    def compute(names: list[str]) -> list[dict[str, Any]]:
+        if workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+                it = ex.map(replay_module, [path] * len(names), names, [emulate] * len(names), [members] * len(names))
+                return list(tqdm(it, **{**bar, "total": len(names)}))
+        return [replay_module(path, n, emulate, members) for n in tqdm(names, **{**bar, "total": len(names)})]
+
+    distributed.init()  # torchrun / --nproc: module k on rank k % ranks (oracle/parallel/distributed.py)
+    rows = distributed.spread("local", names, compute)
+    if rows is None:  # a rank > 0: its rows went to rank 0
+        distributed.finish()
+        return Path(out)
+    inh = _inherited(cap, names)
+    for r in rows:
+        r["inherited"] = inh.get(r["module"])
+    with BundleWriter(out, "local", overwrite=overwrite) as w:
+        w.manifest.update(
+            source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,
+            fingerprint=cap.fingerprint(), recipe=cap.get("recipe"), local=rows,
+        )  # fmt: skip
+    distributed.finish()
+    return Path(out)

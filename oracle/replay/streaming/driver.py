@@ -1,0 +1,165 @@
+"""``oracle replay --max-memory SIZE``: the streaming replay driven end to end (engine: stream.py).
+
+The budget is split once, before the step: what the process holds anyway (its resident set after
+the model skeleton and the resident parameters), the largest unit twice (its float64 weights and
+their gradients during its backward), and a working set for one unit's recomputation (6 times the
+tokens it sees times the widest hidden size: MLP intermediates and their gradients); the rest holds
+module-boundary activations in memory, the oldest spilled to disk past it. A budget below the
+fixed part is refused with the size that would do (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import precision as precisions
+from ...bundle.store import Bundle, BundleWriter
+from ...errors import RecipeError, UsageError
+from ...parallel import distributed
+from ...precision.mode import PrecisionMode
+from .engine import StreamEngine, largest_unit_bytes, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
+
+WORKING_SET_FACTOR = (
+    6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
+)
+
+
+def unit_reserve(cap: Bundle, compute: torch.dtype, largest_unit: int) -> int:
+    """What streaming one unit needs besides the process itself: the largest unit's weights and
+    their gradients, and its recomputation's working set (the split stated in the module docstring)."""
+    return 2 * largest_unit + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+
+
+def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
+    from ...version import __version__
+
+    fp = json.dumps(cap.fingerprint(), sort_keys=True)
+    head = {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__}
+    if distributed.world() > 1:  # which members a rank owns depends on the number of ranks
+        head.update(rank=distributed.rank(), ranks=distributed.world())
+    return head
+
+
+def _largest_input_bytes(cap: Bundle, compute: torch.dtype) -> int:
+    """The largest boundary tensor a unit receives, from the inputs alone: tokens (or patches) x the
+    widest hidden size of the config, in the compute dtype."""
+    tokens = 0
+    for name, e in cap.manifest["tensors"].get("inputs", {}).items():
+        if name in ("input_ids", "tokens", "pixel_values"):
+            tokens = max(tokens, int(e["shape"][0]) if name == "pixel_values" else int(torch.tensor(e["shape"]).prod()))
+    cfg = cap.manifest["recipe"]["config"]
+    widths = [v for k, v in _walk(cfg) if k in ("hidden_size", "intermediate_size", "out_hidden_size") and isinstance(v, int)]
+    return tokens * max(widths or [1]) * torch.empty((), dtype=compute).element_size()
+
+
+def _walk(d: Any):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield k, v
+            yield from _walk(v)
+
+
+def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
+                    base: dict[str, Any], t0: float, activation_budget: int | None = None) -> Path:  # fmt: skip
+    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling)."""
+    from ..setup import carry_inputs_and_weights, recipe_of
+
+    tame_malloc()
+    recipe = recipe_of(cap)
+    if not recipe.stream_units():
+        raise RecipeError(f"recipe {recipe.name!r} declares no streaming units (stream_units); replay it without --max-memory")
+    compute, round_to, ops = precisions.emulation(dtype)
+    reduction = (cap.get("loss") or {}).get("reduction", "mean")
+    ranks = distributed.world()
+    # one work directory per rank (.NAME.rankR.partial): its members' journals, resumed per rank
+    work, resumed = work_dir(
+        out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
+    )
+    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
+    losses, orders, promotions, stats = [], [], 0, {}
+    for k, member in enumerate(members):
+        if not distributed.mine(k):
+            continue
+        done = work / member / "end.json"
+        if done.is_file():  # a finished member of a resumed run
+            rec = json.loads(done.read_text())
+            losses.append(rec["loss"])
+            orders.append(rec["order"])
+            promotions += rec["promotions"]
+            continue
+        mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
+        build_mode = PrecisionMode(compute)
+        engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
+                              progress=progress and distributed.is_main())  # fmt: skip
+        fixed = rss_bytes() + unit_reserve(cap, compute, largest_unit_bytes(engine))
+        if budget < fixed:
+            raise UsageError(
+                f"--max-memory {budget / 2**30:.2f} GiB is below what one unit needs alongside the process "
+                f"(about {fixed / 2**30:.2f} GiB: resident set, the largest unit's weights and gradients, its "
+                f"recomputation); raise it to at least {fixed / 2**30 * 1.1:.1f}G"
+            )
+        engine.store.budget = budget - fixed if activation_budget is None else activation_budget
+        torch.manual_seed(0)
+        loss = engine.run(inputs, reduction)
+        member_promotions = mode.promotions + build_mode.promotions
+        promotions += member_promotions
+        stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
+                 "store_budget": engine.store.budget, "fixed_estimate": fixed}  # fmt: skip
+        (work / member / "end.json").write_text(
+            json.dumps({"loss": loss, "order": engine.order, "promotions": member_promotions})
+        )
+        losses.append(loss)
+        orders.append(engine.order)
+        del engine
+    if ranks > 1:
+        if not distributed.is_main():  # send each own member's end record and gradient shards to rank 0
+            for k, member in enumerate(members):
+                if distributed.mine(k):
+                    units = read_journal(work / member, "unit")
+                    end = json.loads((work / member / "end.json").read_text())
+                    distributed.send_parts(member, {"end": end, "units": units}, [work / member / u["file"] for u in units])
+            distributed.finish()  # rank 0 has published the bundle: this rank's journals are no longer needed
+            shutil.rmtree(work, ignore_errors=True)
+            return out
+        by_member = dict(zip([m for k, m in enumerate(members) if distributed.mine(k)], zip(losses, orders)))
+        for k, member in enumerate(members):
+            if not distributed.mine(k):
+                (work / member).mkdir(exist_ok=True)
+                part = distributed.recv_parts(member, distributed.owner(k), work / member)
+                (work / member / "journal.jsonl").write_text("".join(json.dumps(u) + "\n" for u in part["units"]))
+                by_member[member] = (part["end"]["loss"], part["end"]["order"])
+        losses, orders = [by_member[m][0] for m in members], [by_member[m][1] for m in members]
+    kind = "oracle" if dtype == "fp64" else "emulation"
+    with BundleWriter(out, kind, overwrite=overwrite) as w:
+        w.manifest.update(base)
+        w.manifest["streaming"] = {"max_memory": budget, "peak_rss": max_rss_bytes(), "resumed": resumed, **stats}
+        if ranks > 1:
+            w.manifest["ranks"] = ranks
+        if kind == "oracle":
+            w.manifest.update(loss={**(cap.get("loss") or {}), "value": losses[0]}, backward_order=orders[0], certificate=None,
+                              numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
+            del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
+            carry_inputs_and_weights(cap, w)
+        else:
+            w.manifest.update(
+                loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses}, members=ensemble,
+                emulation={"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."),
+                           "ops": ops, "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept"},
+            )  # fmt: skip
+        for member in members:
+            for rec in read_journal(work / member, "unit"):
+                src = work / member / rec["file"]
+                dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
+                src.rename(dst)
+                w.adopt(member, dst, rec["entries"], move=True)
+        w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    shutil.rmtree(work, ignore_errors=True)
+    distributed.finish()
+    return out

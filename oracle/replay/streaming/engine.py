@@ -1,0 +1,443 @@
+"""The memory-bounded streaming replay: a model too large for memory, replayed unit by unit.
+
+Selected by ``oracle replay --max-memory SIZE``. The recipe's own transformers model runs its own
+forward; nothing is cut into hand-written stages. What changes is what its *units* (the recipe's
+``stream_units()``: decoder layers, ViT blocks, mergers, embeddings) do when they are called:
+
+forward   each unit call is one autograd node (``_UnitCall``). Its float64 weights are materialised
+          from the capture just before it runs (oracle/replay/streaming/materialize.py), it runs without recording
+          a graph, its weights are evicted after. Only its inputs are kept (oracle/replay/streaming/spill.py: in
+          memory up to the budget, the oldest spilled to disk past it). Everything between units
+          (residual glue, deepstack additions, the final norm, rotary tables) is ordinary autograd.
+head/loss the head and loss run by vocabulary chunks (oracle/replay/headloss.py): the head weight is
+          materialised for the loss and freed as soon as its gradient is written.
+backward  autograd reaches a unit's node: its inputs are taken back, its weights materialised, the
+          unit is run again from those inputs (the same ops in the same order as the forward, so
+          the same values bitwise) with autograd on, and backpropagated from the gradient arriving
+          at its outputs. Its parameters' gradients are final once all calls of the unit are done:
+          they are written as one shard of the oracle bundle there and then, and the weights evicted.
+Parameters outside every unit (final norm, vision position table) and parameters shared by two
+units (tied embeddings) stay resident for the whole run and are written last.
+
+Numerics are the in-memory replay's: the same PrecisionMode, the same chunked attention and
+chunked head/loss. Streamed and in-memory oracles are bitwise equal on the recipes' models (tested);
+what differs is only the order in which autograd accumulates a tensor's gradient where several
+uses meet outside a unit, which could move a last bit: the bound stated and tested is 1e-12 relative.
+
+Resume: everything lives in a work directory beside ``--out`` (``.NAME.partial``) with a journal.
+After each unit's backward, its gradient shard and the gradients it sent to its inputs are written
+and journalled. A replay killed at any point and started again with the same command and the same
+thread count reruns the forward (deterministic) and, for every journalled unit, returns the stored
+input gradients instead of recomputing it: it ends bitwise identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+from ...bundle.store import Bundle, tensor_sha256, value_sha256
+from ...capture.modules import select
+from ...errors import UsageError
+from ...precision.mode import PrecisionMode
+from ..loss import chunked_head
+from ..setup import use_replay_attention
+from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
+from .spill import ActivationStore
+
+JOURNAL = "journal.jsonl"
+
+
+def tame_malloc() -> None:
+    """glibc raises its mmap threshold after large frees, after which freed weights stay in the
+    heap and RSS only grows. Pin the threshold (1 MiB): large tensors are mmapped and returned to
+    the system when freed, so the memory budget is what the process really holds."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
+def _trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
+class _Call:
+    """One call of one unit: what its backward needs."""
+
+    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen")
+
+    def __init__(self, unit: str, index: int):
+        self.unit, self.index = unit, index
+
+
+class _UnitCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine: StreamEngine, call: _Call, anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.engine, ctx.call = engine, call
+        outs = engine._forward_unit(call, list(tensors))
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        grads = ctx.engine._backward_unit(ctx.call, list(grad_outs))
+        return (None, None, None, *grads)
+
+
+class StreamEngine:
+    """One streamed forward+backward of a captured step. ``run()`` returns the loss; gradients go
+    to ``work`` as shards (journal lines) as they become final."""
+
+    def __init__(self, cap: Bundle, recipe, mode: PrecisionMode, build_mode: PrecisionMode, compute: torch.dtype,
+                 work: Path, *, budget: int | None, member: str = "grads", progress: bool = False) -> None:  # fmt: skip
+        self.cap, self.recipe, self.mode, self.compute = cap, recipe, mode, compute
+        self.work, self.member, self.progress = work, member, progress
+        self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
+        use_replay_attention(self.model, mode.round_to)
+        self.weights = Weights(cap, compute)
+        names = [n for n, _ in self.model.named_modules()]
+        rx = recipe.stream_units()
+        self.units = [n for n in select(self.model, rx)] if rx else []
+        self.units = [u for u in self.units if not any(u != o and u.startswith(o + ".") for o in self.units)]
+        shared = shared_parameters(self.model, self.units)
+        self.unit_params: dict[str, list[str]] = {}
+        for u in self.units:
+            mod = self.model.get_submodule(u)
+            ps = [f"{u}.{n}" for n, _ in mod.named_parameters()]
+            if any(p in shared for p in ps):
+                continue  # a unit holding a tied parameter is not streamed: it stays resident
+            self.unit_params[u] = ps
+        self.units = [u for u in self.units if u in self.unit_params]
+        in_units = {p for ps in self.unit_params.values() for p in ps}
+        self.head = "lm_head" if "lm_head" in names and "lm_head.weight" not in shared else None
+        self.resident = [
+            n for n, _ in self.model.named_parameters() if n not in in_units and not (self.head and n == "lm_head.weight")
+        ]
+        for n in self.resident:  # small or shared: loaded once, ordinary autograd
+            mod_name, _, pname = n.rpartition(".")
+            m = self.model.get_submodule(mod_name) if mod_name else self.model
+            t = self.weights.load(n)
+            m._parameters[pname] = torch.nn.Parameter(t, requires_grad=True)
+        self.store = ActivationStore(budget, work / f"{member}.spill")
+        self.anchor = torch.zeros((), dtype=compute, requires_grad=True)  # makes every unit call differentiable
+        self.calls: dict[str, int] = {}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.done_calls: dict[str, int] = {}
+        self.journal = _Journal(work, member)
+        self.order: list[str] = []  # gradient completion order: the backward order
+        self._bars: dict[str, Any] = {}
+        for u in self.units:
+            self._wrap(u)
+
+    # -- wiring -------------------------------------------------------------------------------
+    def _wrap(self, unit: str) -> None:
+        module = self.model.get_submodule(unit)
+        original = module.forward
+        engine = self
+
+        def forward(*args, **kwargs):
+            index = engine.calls.get(unit, 0)
+            engine.calls[unit] = index + 1
+            call = _Call(unit, index)
+            call.leaves, call.spec = tree_flatten((args, kwargs))
+            call.tensor_pos = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
+            tensors = [call.leaves[i] for i in call.tensor_pos]
+            call.requires = [t.requires_grad and t.is_floating_point() for t in tensors]
+            call.low = [engine.mode._is_low(t) for t in tensors]
+            outs = _UnitCall.apply(engine, call, engine.anchor, *tensors)
+            leaves = list(call.out_spec[0])
+            for pos, o in zip(call.out_pos, outs):
+                leaves[pos] = o
+            return tree_unflatten(leaves, call.out_spec[1])
+
+        module._oracle_forward = original
+        module.forward = forward
+
+    def _run(self, call: _Call, tensors: list[torch.Tensor]):
+        leaves = list(call.leaves)
+        for pos, t in zip(call.tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        return self.model.get_submodule(call.unit)._oracle_forward(*args, **kwargs)
+
+    # -- a unit's forward and backward --------------------------------------------------------------
+    def _forward_unit(self, call: _Call, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        module = self.model.get_submodule(call.unit)
+        call.handle = self.store.put(tensors)
+        call.gen = self.mode._gen.get_state() if self.mode._gen is not None else None
+        materialize(module, call.unit + ".", self.weights, requires_grad=False)
+        out = self._run(call, tensors)
+        evict(module)
+        leaves, spec = tree_flatten(out)
+        call.out_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        call.out_spec = ([None if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        call.leaves = [None if isinstance(x, torch.Tensor) else x for x in call.leaves]  # tensors live in the store
+        self._tick("forward", call.unit)
+        return [leaves[i] for i in call.out_pos]
+
+    def _backward_unit(self, call: _Call, grad_outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        saved = self.journal.grad_inputs(call.unit, call.index)
+        if saved is not None and self.journal.unit_done(call.unit):
+            self.store.take(call.handle)
+            self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
+            if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
+                written = self.journal.units[call.unit]["entries"]
+                self.order += [p for p in self.unit_params[call.unit] if p in written]
+            self._tick("backward", call.unit)
+            return saved
+        module = self.model.get_submodule(call.unit)
+        tensors = self.store.take(call.handle)
+        inputs = []
+        for t, req, low in zip(tensors, call.requires, call.low):
+            x = t.detach().requires_grad_(True) if req else t
+            if low:
+                self.mode.mark_low(x)
+            inputs.append(x)
+        materialize(module, call.unit + ".", self.weights, requires_grad=True)
+        outer = None
+        if call.gen is not None:
+            # emulation: the recomputation draws the forward's jitter, and leaves the stream where it
+            # was, so that a resumed run, which skips finished units, draws what an uninterrupted one does
+            outer = self.mode._gen.get_state()
+            self.mode._gen.set_state(call.gen)
+        with torch.enable_grad():
+            out = self._run(call, inputs)
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if outer is not None:
+            self.mode._gen.set_state(outer)
+        grads = [x.grad if req else None for x, req in zip(inputs, call.requires)]
+        acc = self.pending.setdefault(call.unit, {})
+        for n, p in module.named_parameters():
+            if p.grad is not None:
+                full = f"{call.unit}.{n}"
+                acc[full] = acc[full] + p.grad if full in acc else p.grad
+        evict(module)
+        del inputs, out, outs, pairs
+        self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
+        last = self.done_calls[call.unit] == self.calls[call.unit]
+        self.journal.record_call(call.unit, call.index, grads)
+        if last:
+            grads_of_unit = self.pending.pop(call.unit)
+            self.order += [p for p in self.unit_params[call.unit] if p in grads_of_unit]
+            self.journal.write_unit(call.unit, grads_of_unit)
+        _trim()
+        self._tick("backward", call.unit)
+        return grads
+
+    # -- the head ----------------------------------------------------------------------------------
+    def _prepare_head(self, head: torch.nn.Module) -> torch.Tensor:
+        if self.head is None or head.weight.device != META:
+            return head.weight
+        w = torch.nn.Parameter(self.weights.load("lm_head.weight"), requires_grad=True)
+        head._parameters["weight"] = w
+
+        def done(p: torch.Tensor) -> None:
+            self.order.append("lm_head.weight")
+            self.journal.write_unit("lm_head", {"lm_head.weight": p.grad})  # a no-op for a resumed, written head
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype)  # the weight's storage goes now, not at the end of the backward
+            head._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=META))
+            _trim()
+
+        w.register_post_accumulate_grad_hook(done)
+        return w
+
+    # -- progress ----------------------------------------------------------------------------------
+    def _tick(self, phase: str, unit: str) -> None:
+        if not self.progress:
+            return
+        bar = self._bars.get(phase)
+        if bar is None:
+            total = sum(self.calls.values()) if phase == "backward" else None
+            bar = self._bars[phase] = tqdm(total=total, desc=f"{self.member}: {phase}", unit="unit", leave=False)
+        bar.update(1)
+        bar.set_postfix_str(unit[-40:], refresh=False)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def run(self, inputs: dict[str, torch.Tensor], reduction: str) -> float:
+        with self.mode, chunked_head(self._prepare_head):
+            loss, _ = self.recipe.forward_loss(self.model, inputs, reduction)
+            if self.mode.round_to is None:
+                assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
+            hooks = []
+            for n in self.resident:
+                p = self.model.get_parameter(n)
+                hooks.append(p.register_post_accumulate_grad_hook(lambda _, n=n: self.order.append(n)))
+            try:
+                loss.backward()
+            finally:
+                for h in hooks:
+                    h.remove()
+                for bar in self._bars.values():
+                    bar.close()
+        rest = {n: self.model.get_parameter(n).grad for n in self.resident if self.model.get_parameter(n).grad is not None}
+        self.journal.write_unit("resident", rest)
+        return float(loss.item())
+
+
+class _Journal:
+    """The work directory of one member: gradient shards, input gradients of finished units, and a
+    journal (one JSON line per finished call or unit, fsynced) that a resumed run reads back."""
+
+    def __init__(self, work: Path, member: str):
+        self.dir = work / member
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / JOURNAL
+        self.units: dict[str, dict] = {}
+        self.calls: dict[tuple[str, int], str] = {}
+        for rec in read_journal(self.dir):
+            if not (self.dir / rec["file"]).is_file():
+                continue
+            if rec["kind"] == "unit":
+                self.units[rec["unit"]] = rec
+            elif rec["kind"] == "call":
+                self.calls[(rec["unit"], rec["index"])] = rec["file"]
+        self._shard = len(self.units)
+
+    def _append(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    @staticmethod
+    def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def unit_done(self, unit: str) -> bool:
+        return unit in self.units
+
+    def grad_inputs(self, unit: str, index: int) -> list[torch.Tensor | None] | None:
+        f = self.calls.get((unit, index))
+        if f is None:
+            return None
+        d = load_file(str(self.dir / f))
+        n = int(d.pop("__n__").item())
+        return [d.get(str(i)) for i in range(n)]
+
+    def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None]) -> None:
+        if (unit, index) in self.calls:
+            return
+        f = f"gin-{_slug(unit)}-{index}.safetensors"
+        tensors = {str(i): g for i, g in enumerate(grads) if g is not None}
+        tensors["__n__"] = torch.tensor(len(grads))
+        self._save(tensors, self.dir / f)
+        self.calls[(unit, index)] = f
+        self._append({"kind": "call", "unit": unit, "index": index, "file": f})
+
+    def write_unit(self, unit: str, grads: dict[str, torch.Tensor]) -> None:
+        if unit in self.units or not grads:
+            return
+        self._shard += 1
+        f = f"shard-{self._shard:05d}.safetensors"
+        entries = {}
+        for n, g in grads.items():
+            g = g.detach().contiguous()
+            entries[n] = {"dtype": str(g.dtype).removeprefix("torch."), "shape": list(g.shape),
+                          "sha256": tensor_sha256(g), "value_sha256": value_sha256(g)}  # fmt: skip
+        self._save(grads, self.dir / f)
+        rec = {"kind": "unit", "unit": unit, "file": f, "entries": entries}
+        self.units[unit] = rec
+        self._append(rec)
+
+
+def read_journal(member_dir: Path, kind: str | None = None) -> list[dict]:
+    """The records of a member's journal (of one ``kind``: "unit" or "call"); a last line cut by a
+    kill ends it, everything before it holds."""
+    path = member_dir / JOURNAL
+    recs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if kind is None or rec["kind"] == kind:
+            recs.append(rec)
+    return recs
+
+
+def _slug(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()[:12]
+
+
+# -- the work directory ---------------------------------------------------------------------------
+def work_dir(out: Path, header: dict[str, Any]) -> tuple[Path, bool]:
+    """``.NAME.partial`` beside ``out``: reused (resume) when its header equals this run's, else new."""
+    work = out.parent / f".{out.name}.partial"
+    head = work / "header.json"
+    if work.exists():
+        try:
+            same = json.loads(head.read_text()) == header
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if same:
+            return work, True
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    head.write_text(json.dumps(header, sort_keys=True))
+    return work, False
+
+
+def parse_size(spec: str) -> int:
+    """``16G``, ``512M``, ``1.5T``, ``1073741824`` -> bytes (binary units: G = 2^30)."""
+    s = spec.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if s and s[-1] in units:
+            value = int(float(s[:-1]) * units[s[-1]])
+        else:
+            value = int(float(s))
+    except ValueError:
+        raise UsageError(f"--max-memory {spec!r}: expected a size such as 16G, 512M or 1.5T") from None
+    if value <= 0:
+        raise UsageError(f"--max-memory {spec!r} must be positive")
+    return value
+
+
+def rss_bytes() -> int:
+    """Resident set size now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover
+        return 0
+
+
+def max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def largest_unit_bytes(engine: StreamEngine) -> int:
+    best = 0
+    for ps in engine.unit_params.values():
+        best = max(best, sum(engine.weights.nbytes(p) for p in ps))
+    if engine.head:
+        best = max(best, engine.weights.nbytes("lm_head.weight"))
+    return best

@@ -1,0 +1,80 @@
+"""Terminal rendering of a score result: the oracle line, per capture the worst parameters and
+the per-layer table in backward order, then the verdict lines. Plain text, fixed-width columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _f(x: Any, spec: str = ".2e") -> str:
+    if x is None:
+        return "-"
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+
+
+def _num(x: Any) -> float:
+    """A sort key: NaN sorts as +inf (an excess that cannot be computed is not a small one)."""
+    return float("inf") if x != x else x
+
+
+def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str:
+    o = result["oracle"]
+    lines = [f"oracle: {o['path']}  ({o['precision']}, loss {_f(o['loss'], '.10g')})"]
+    cert = o.get("certificate")
+    if cert:
+        lines.append(
+            f"  certified: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
+        )
+    if o.get("warning"):
+        lines.append(f"  WARNING: {o['warning']}")
+    for c in result["captures"]:
+        lines.append("")
+        lines.append(f"== {c['name']}  [{c['precision']}]  loss {_f(c['loss'], '.10g')}  band: {c['band_kind']}")
+        metric = "norm_dev" if c["norms_only"] else "rel_l2"
+        # non-finite tensors first, in backward order (where they appear first), then by excess
+        nf = {n: i for i, n in enumerate(c["verdict"].get("nonfinite_params") or [])}
+        worst = sorted(c["params"], key=lambda r: (nf.get(r["name"], len(nf)), -_num(r["excess"])))[:top]
+        lines.append("  worst parameters (non-finite first, then by excess over band)")
+        lines.append(f"  {'parameter':<60} {metric:>9} {'band':>9} {'excess':>8} {'cosine':>9} {'norm_ratio':>10}  class")
+        for r in worst:
+            err = abs(r["norm_ratio"] - 1) if c["norms_only"] else r["rel_l2"]
+            lines.append(f"  {r['name'][-60:]:<60} {_f(err):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8} "
+                         f"{_f(r.get('cosine'), '.6f'):>9} {_f(r['norm_ratio'], '.5f'):>10}  {r['class']}")  # fmt: skip
+        lines.append("  per layer, loss end first")
+        lines.append(f"  {'layer':<34} {metric:>9} {'band':>9} {'excess':>8}  class")
+        shown = c["layers"] if len(c["layers"]) <= max_layers else c["layers"][:max_layers]
+        for r in shown:
+            lines.append(f"  {r['name']:<34} {_f(r[metric]):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8}  {r['class']}")
+        if len(c["layers"]) > max_layers:
+            lines.append(f"  ... {len(c['layers']) - max_layers} more layers in --json / --report")
+    lines.append("")
+    lines.append("verdict:")
+    lines += ["  " + ln for ln in result["summary"].splitlines()]
+    return "\n".join(lines)
+
+
+def render_local(res: dict[str, Any]) -> str:
+    """A local-replay score (score/local.py): per module the error born there and its ratio to an
+    honest run of the same module, culprits (non-finite births first), the verdict."""
+    lines = [f"local replay {res['local']} ({res['precision']}): error born in each module vs an honest run of the same module",
+             f"  {'module':<52} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
+    for r in sorted(res["modules"], key=lambda r: -_num(r["ratio"])):
+        flag = f"  NON-FINITE born in its {r['born_nonfinite']}" if r.get("born_nonfinite") else ""
+        lines.append(f"  {r['module'][-52:]:<52} {_f(r.get('fwd')):>9} {_f(r.get('ratio_fwd'), '.1f'):>7} {_f(r.get('bwd')):>9} "
+                     f"{_f(r.get('ratio_bwd'), '.1f'):>7} {_f(r.get('param')):>9} {_f(r.get('ratio_param'), '.1f'):>7} "
+                     f"{_f(r.get('inherited')):>9}{flag}")  # fmt: skip
+    lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]
+    return "\n".join(lines)
+
+
+def render_explain(res: dict[str, Any]) -> str:
+    """An op-level attribution (explain.py): classes ranked by the share of the device's error
+    each reproduces when run alone in the capture's format."""
+    lines = [f"explain {res['module']} in {res['capture']} ({res['precision']}; classes run in {res['format']})",
+             f"  device error (relative, outputs + grad_inputs + parameter grads): {_f(res['device_rel_error'])}",
+             f"  {'op class':<14} {'share_only':>10} {'scale':>8} {'share_except':>12} {'class error':>11}"]  # fmt: skip
+    for r in res["classes"]:
+        lines.append(f"  {r['class']:<14} {r['share_only']:>10.1%} {_f(r['scale_only'], '.2g'):>8} "
+                     f"{r['share_except']:>12.1%} {_f(r['rel_only']):>11}")  # fmt: skip
+    lines += ["", "verdict: " + res["text"]]
+    return "\n".join(lines)

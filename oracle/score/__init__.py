@@ -1,0 +1,2 @@
+"""Judging gradients: tolerances, layer grouping, end-to-end and local scoring, explain. Imports
+replay and everything below it."""

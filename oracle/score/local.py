@@ -1,0 +1,130 @@
+"""Score a local replay (oracle/replay/local.py): per module, the error born there against the error an
+honest run of the capture's precision makes in that module alone; the culprit module and whether
+its forward or its backward is at fault.
+
+Per module M (a row of the local bundle), for x in fwd (outputs), bwd (grad_inputs), param:
+    expected_x = max(emulated expected_x, floor)      floor: the tolerance table's u/4 for the
+                                                       capture's precision (``--tol P:floor=V``)
+    ratio_x    = x / expected_x
+    ratio      = max over x;  beyond = ratio > margin
+
+Non-finite values are findings, never NaN ratios that compare false: a module whose device outputs
+hold NaN/Inf while its device inputs are finite is where they are born in the forward; one whose
+grad_inputs or parameter gradients hold NaN/Inf while its grad_outputs (and outputs) are finite is
+where they are born in the backward. Such a module is a culprit (class ``non_finite``, ratio inf).
+Modules that only pass on inherited NaN/Inf are not judged (their ratios are None).
+
+Culprits: modules beyond the margin; a module containing a culprit submodule yields to it (the
+error is born inside the child). Order: non-finite births first -- forward births in forward order,
+then backward births in backward order (the first the backward reaches first) -- then the others
+by their largest ratio. ``direction`` is ``forward`` when the forward is at fault, else ``backward``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..bundle.store import Bundle
+from ..errors import BundleError, UsageError
+from .tolerance import MARGIN, row, table
+
+KEYS = ("fwd", "bwd", "param")
+BEYOND, WITHIN, NONFINITE = "beyond_noise", "within_noise", "non_finite"
+
+
+def born_nonfinite(r: dict[str, Any]) -> str | None:
+    """``forward``/``backward`` if non-finite values are born in this module, else None."""
+    nf = r.get("nonfinite") or {}
+    if nf.get("out") and not nf.get("in"):
+        return "forward"
+    if (nf.get("gin") or nf.get("param")) and not nf.get("gout") and not nf.get("out") and not nf.get("in"):
+        return "backward"
+    return None
+
+
+def score_local(
+    bundle: Bundle | str | Path,
+    *,
+    margin: float = MARGIN,
+    tol_overrides: dict[str, dict[str, float]] | None = None,
+    band_paths: Sequence[str | Path] = (),
+) -> dict[str, Any]:
+    """Score local bundle ``bundle``; ``tol_overrides`` as for ``score`` (the floor applies here).
+
+    A local replay measures its own band per module (``--members`` emulated runs of the module at
+    replay time), so end-to-end ``--band`` bundles do not apply: given, they are a usage error."""
+    bundle = bundle if isinstance(bundle, Bundle) else Bundle(bundle)
+    if bundle.kind != "local":
+        raise BundleError(f"{bundle.path} is a {bundle.kind} bundle; local scoring needs `oracle replay --local` output")
+    if band_paths:
+        raise UsageError(
+            "--band applies to end-to-end scoring; a local replay carries its own per-module band "
+            "(replay with more --members to widen it, --tol PRECISION:floor=V to change its floor)"
+        )
+    tol = row(table(tol_overrides), bundle.get("precision"))
+    rows = [_score_row(dict(r), tol["floor"], margin) for r in bundle.get("local", [])]
+    beyond = [r for r in rows if r["beyond"]]
+    names = {r["module"] for r in beyond}
+    culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
+    culprits.sort(key=_culprit_key)
+    return {
+        "local": str(bundle.path), "precision": bundle.get("precision"), "emulated": bundle.get("emulated"),
+        "margin": margin, "floor": tol["floor"], "modules": rows, "culprits": [r["module"] for r in culprits],
+        "verdict": _verdict(rows, culprits, bundle.get("emulated")),
+    }  # fmt: skip
+
+
+def _score_row(r: dict[str, Any], floor: float, margin: float) -> dict[str, Any]:
+    born = born_nonfinite(r)
+    for k in KEYS:
+        v = r.get(k)
+        if v is None or not math.isfinite(v):
+            r[f"ratio_{k}"] = None
+            continue
+        exp = max(r.get(f"expected_{k}") or 0.0, floor)
+        r[f"expected_{k}"] = exp
+        r[f"ratio_{k}"] = v / exp
+    ratios = [r[f"ratio_{k}"] for k in KEYS if r[f"ratio_{k}"] is not None]
+    r["born_nonfinite"] = born
+    if born:
+        r["ratio"], r["beyond"], r["direction"], r["class"] = math.inf, True, born, NONFINITE
+        return r
+    r["ratio"] = max(ratios) if ratios else 0.0
+    r["beyond"] = r["ratio"] > margin
+    fwd_beyond = (r["ratio_fwd"] or 0.0) > margin
+    r["direction"] = ("forward" if fwd_beyond else "backward") if r["beyond"] else None
+    r["class"] = BEYOND if r["beyond"] else WITHIN
+    return r
+
+
+def _culprit_key(r: dict[str, Any]) -> tuple:
+    order = r.get("order")
+    order = order if order is not None else math.inf
+    if r["born_nonfinite"] == "forward":
+        return (0, order)
+    if r["born_nonfinite"] == "backward":
+        return (1, -order)
+    return (2, -r["ratio"])
+
+
+def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulated: str | None) -> dict[str, Any]:
+    if culprits:
+        c = culprits[0]
+        where = "forward output" if c["direction"] == "forward" else "backward"
+        if c["born_nonfinite"]:
+            text = (f"culprit: {c['module']} ({c['direction']}): non-finite values are born in its {where} "
+                    f"from finite {'inputs' if c['direction'] == 'forward' else 'grad_outputs'}")  # fmt: skip
+        else:
+            text = (f"culprit: {c['module']} ({c['direction']}): its {where} is {c['ratio']:.1f}x the error an honest "
+                    f"{emulated} run makes in this module alone")  # fmt: skip
+        text += f" ({len(culprits)} module(s) beyond the band)"
+    else:
+        worst = max(rows, key=lambda r: r["ratio"]) if rows else None
+        text = "no module beyond its expected local error" + (
+            f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else ""
+        )
+    c = culprits[0] if culprits else None
+    return {"culprit": c and c["module"], "direction": c and c["direction"], "class": c and c["class"], "text": text}

@@ -1,0 +1,420 @@
+"""Score device gradients against the float64 oracle, per parameter and per layer, with a verdict.
+
+Inputs: one oracle bundle, captures (full gradients, or norm-only bundles), and optionally
+emulation bundles (``oracle replay --dtype amp-bf16 --ensemble K``) that give the noise band.
+
+Everything starts with a fingerprint check: a capture must hold the same inputs and weights as the
+oracle (value_sha256 of every tensor); otherwise it is a different step and scoring it against
+this truth would be meaningless, so it is refused (MismatchError) with the differing tensors named.
+
+Per parameter p of capture c (formulas in metrics.py):
+    e(p)       = rel_l2 = ||g - t|| / ||t||          (norm-only captures: e = |norm_ratio - 1|)
+    band(p)    = max(max_k e_k(p), floor)            e_k = the same metric for emulated member k;
+                 without a band: the tolerance table's ``expected`` for c's precision
+    excess(p)  = e(p) / band(p)
+    class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
+Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
+over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
+
+Verdict of a capture: its class (worst over layers), excess (max over layers), worst layer, and
+    onset        the first layer, walking from the loss end, that is beyond noise; with how many of
+                 the layers after it stay beyond and the largest excess they reach;
+    global_scale c = <g, t> / <g, g> over all parameters; when c != 1 beyond the band and
+                 ||c g - t|| / ||t|| falls back within it, the difference is a global scale: loss
+                 scaling or normalisation (token count, 1/N) mismatch, not an arithmetic error.
+With several captures, per layer and overall: which one is closer to the truth.
+
+Loss: every capture that recorded its loss is compared with the oracle's replayed loss,
+    loss_rel = |L_captured - L_replayed| / |L_replayed|,  band = margin x expected (the tolerance
+    table's, for the capture's precision)
+and beyond it the verdict says "the replay is not the step that ran" (a dropped padded
+vocabulary, another loss convention, other inputs); it is a finding, not an error.
+Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
+tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .. import recipe as recipes
+from ..bundle.store import Bundle
+from ..errors import BundleError, MismatchError, UsageError
+from ..metrics import aggregate, global_scale, tensor_metrics
+from ..replay.certify import FD_WARN
+from .layers import group as group_layers
+from .tolerance import MARGIN, table
+
+WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
+
+
+# -- inputs -----------------------------------------------------------------------------------
+def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
+    """Raise MismatchError if ``other`` is another step; return the groups that could not be
+    checked (a norm log has no tensors; an msprobe import has weights but not the inputs)."""
+    if other.kind == "norms":
+        return ["inputs", "weights"]
+    a, b = oracle.fingerprint(), other.fingerprint()
+    problems = []
+    unverified = [g for g in ("inputs", "weights") if not b.get(g)]
+    for group in ("inputs", "weights"):
+        ga, gb = a.get(group, {}), b.get(group, {})
+        if group in unverified:
+            continue
+        for n in sorted(set(ga) | set(gb)):
+            if n not in gb:
+                problems.append(f"{group}/{n}: missing from {label}")
+            elif n not in ga:
+                problems.append(f"{group}/{n}: not in the oracle")
+            elif ga[n] != gb[n]:
+                problems.append(f"{group}/{n}: values differ")
+    if problems:
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise MismatchError(
+            f"{label} ({other.path}) is not the step the oracle replays; {len(problems)} tensor(s) differ:\n  "
+            + "\n  ".join(problems[:12])
+            + more
+            + "\nCapture both from the same weights and inputs, or replay this capture to get its own oracle."
+        )
+    return unverified
+
+
+def _layers(oracle: Bundle, names: list[str]) -> list[tuple[str, list[str]]]:
+    """The recipe's layer key where the oracle names a registered recipe, else names alone."""
+    rec = (oracle.get("recipe") or {}).get("name")
+    key = recipes.get(rec).layer_key if rec and rec in recipes.names() else None
+    return group_layers(names, key)
+
+
+def _pick_band(bands: list[Bundle], precision: str, label: str, force: bool) -> tuple[Bundle | None, str | None]:
+    """The band emulating ``precision``; ``(band, warning)``.
+
+    A band of another precision measures another noise (an fp32 band is ~1000x narrower than
+    amp-bf16 noise): it is refused, naming the band to make, unless ``force`` -- then it is used
+    and the warning goes into the verdict. A capture of unknown precision (a log, a dump that does
+    not say) takes the only band given, with the same warning."""
+    same = [b for b in bands if b.get("precision") == precision]
+    if same or not bands:
+        return (same[0] if same else None), None
+    have = ", ".join(f"{b.path.name} ({b.get('precision')})" for b in bands)
+    if precision == "unknown" and len(bands) == 1:
+        return bands[0], f"{label} does not say its precision; band {have} applied as given"
+    if not force:
+        raise UsageError(
+            f"{label} is a {precision} capture but no --band emulates {precision} (given: {have}); make one with "
+            f"`oracle replay {label} --dtype {precision} --ensemble 4 --out band-{precision}` and pass it with --band, "
+            "or force the band given (force_band=True, --force-band) and read the verdict with that in mind"
+        )
+    return bands[0], f"band {have} measures another precision than this {precision} capture (forced)"
+
+
+def _short(param: str, layer: str) -> str:
+    """The part of a parameter name below its layer: ``mlp.down_proj.weight``."""
+    i = param.find(layer + ".")
+    return param[i + len(layer) + 1 :] if i >= 0 else param
+
+
+# -- scoring ----------------------------------------------------------------------------------
+def score(
+    oracle_path: str | Path,
+    capture_paths: list[str | Path],
+    *,
+    band_paths: list[str | Path] = (),
+    margin: float = MARGIN,
+    tol_overrides: dict[str, dict[str, float]] | None = None,
+    names: list[str] | None = None,
+    force_band: bool = False,
+) -> dict[str, Any]:
+    """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
+    refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
+    oracle = Bundle(oracle_path)
+    if oracle.kind != "oracle":
+        raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
+    caps = [Bundle(p) for p in capture_paths]
+    bands = [Bundle(p) for p in band_paths]
+    for b in bands:
+        if b.kind != "emulation":
+            raise BundleError(
+                f"--band {b.path} is a {b.kind} bundle; a band comes from `oracle replay --dtype bf16 --ensemble K`"
+            )
+    labels = list(names) if names else _default_names(caps)
+    unverified = {lab: check_same_step(oracle, c, lab) for c, lab in zip(caps, labels)}
+    for b in bands:
+        check_same_step(oracle, b, f"band {b.path.name}")
+
+    tol = table(tol_overrides)
+    pnames = oracle.names("grads")
+    layers = _layers(oracle, pnames)
+    layer_of = {p: lab for lab, ps in layers for p in ps}
+
+    padded = _padded_vocab(oracle)
+    plans = []
+    for c, lab in zip(caps, labels):
+        prec = c.get("precision") or "unknown"
+        band, band_warning = _pick_band(bands, prec, lab, force_band)
+        tolrow = tol.get(prec, tol["unknown"])
+        plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow, "band_warning": band_warning,
+                      "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}, "padded": {}})  # fmt: skip
+    band_cache: dict[str, list[dict[str, float]]] = {}
+
+    # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
+    oracle_nonfinite = []
+    for p in pnames:
+        t = oracle.load("grads", p)
+        if not bool(t.isfinite().all()):
+            oracle_nonfinite.append(p)
+        for b in bands:
+            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in b.member_groups() if b.has(g, p)]
+        for plan in plans:
+            c = plan["bundle"]
+            if plan["norms"] is not None:
+                if p in plan["norms"]:
+                    plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
+            elif c.has("grads", p):
+                g = c.load("grads", p)
+                plan["rows"][p] = tensor_metrics(g, t)
+                if p in padded and g.shape == t.shape:
+                    plan["padded"][p] = {"rows": list(padded[p]), **tensor_metrics(g[padded[p][0] :], t[padded[p][0] :])}
+            if plan["band"] is not None:
+                plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
+        del t
+
+    rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
+    oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
+    result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
+    for c, plan in zip(result_caps, plans):
+        c["unverified"] = unverified[c["name"]]
+        c["loss_check"] = _loss_check(plan, oracle, margin)
+        if c["loss_check"] and c["loss_check"]["beyond"]:
+            c["verdict"]["text"] += "; " + c["loss_check"]["text"]
+    out = {
+        "oracle": _oracle_info(oracle, oracle_nonfinite),
+        "margin": margin,
+        "tolerances": tol,
+        "captures": result_caps,
+        "comparison": _compare(result_caps, layers) if len(result_caps) > 1 else None,
+        "layer_order": [lab for lab, _ in layers],
+    }
+    out["summary"] = _summary(out)
+    return out
+
+
+def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
+    """HF name -> (V, Vp) for the vocabulary tensors of a Megatron capture that knows its true V < Vp."""
+    meg = oracle.get("megatron") or {}
+    v = meg.get("vocab") or {}
+    if not v.get("true") or not v.get("padded") or v["true"] >= v["padded"]:
+        return {}
+    return {n: (v["true"], v["padded"]) for m in (meg.get("mapping") or {}).values() if m.get("kind") == "vocab" for n in m["hf"]}
+
+
+def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | None:
+    """The capture's recorded loss against the oracle's replayed loss (the same reduction)."""
+    captured = (plan["bundle"].get("loss") or {}).get("value")
+    replayed = (oracle.get("loss") or {}).get("value")
+    if captured is None or replayed is None:
+        return None
+    rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
+    band = margin * plan["tol"]["expected"]
+    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative (captured {captured:.8g}, "
+            f"replayed {replayed:.8g}; band {band:.1e})")  # fmt: skip
+    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": rel > band, "text": text}
+
+
+def _default_names(caps: list[Bundle]) -> list[str]:
+    names = [c.path.name for c in caps]
+    return [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _norm_row(norm: float, ref: float) -> dict[str, float]:
+    ratio = norm / ref if ref else (1.0 if norm == 0 else math.inf)
+    return {"norm": norm, "ref_norm": ref, "norm_ratio": ratio, "nonfinite": int(not math.isfinite(norm))}
+
+
+def _metric(row: dict[str, float], norms_only: bool) -> float:
+    return abs(row["norm_ratio"] - 1.0) if norms_only else row["rel_l2"]
+
+
+def _classify(err: float, band: float, nonfinite: int, margin: float) -> tuple[float, str]:
+    excess = err / band if band > 0 else (0.0 if err == 0 else math.inf)
+    if nonfinite:
+        return excess, NONFINITE
+    return excess, BEYOND if excess > margin else WITHIN
+
+
+def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict[str, float]) -> float:
+    if member_rows:
+        return max(max(_metric(r, norms_only) for r in member_rows), tol["floor"])
+    return tol["expected"]
+
+
+def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, int]) -> dict[str, Any]:
+    c: Bundle = plan["bundle"]
+    norms_only = plan["norms"] is not None
+    rows, band_rows, tol = plan["rows"], plan["band_rows"], plan["tol"]
+    params = []
+    for p, r in rows.items():
+        err = _metric(r, norms_only)
+        band = _band_value(band_rows.get(p, []), norms_only, tol)
+        excess, cls = _classify(err, band, int(r["nonfinite"]), margin)
+        row = {"name": p, "layer": layer_of.get(p, "other"), "band": band, "excess": excess, "class": cls}
+        keys = (
+            ("norm_ratio", "norm", "ref_norm", "nonfinite")
+            if norms_only
+            else ("rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
+        )
+        row.update({k: r[k] for k in keys})
+        if p in plan["padded"]:
+            row["padded_rows"] = {k: plan["padded"][p][k] for k in ("rows", "rel_l2", "norm", "ref_norm")}
+        params.append(row)
+    by_name = {r["name"]: r for r in params}
+
+    layer_rows = []
+    for lab, ps in layers:
+        present = [p for p in ps if p in rows]
+        if not present:
+            continue
+        if norms_only:
+            err = max(_metric(rows[p], True) for p in present)  # no exact aggregate of norms: worst
+            members = [max(_metric(band_rows[p][k], True) for p in present) for k in range(len(band_rows.get(present[0], [])))]
+            agg = {"nonfinite": sum(rows[p]["nonfinite"] for p in present)}
+        else:
+            agg = aggregate([rows[p] for p in present])
+            err = agg["rel_l2"]
+            k_members = len(band_rows.get(present[0], []))
+            members = [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
+        band = max(max(members), tol["floor"]) if members else tol["expected"]
+        band_low = min(members) if members else band
+        excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
+        worst = max(present, key=lambda p: by_name[p]["excess"])
+        # where in the layer the error is born: the first beyond-noise parameter whose gradient
+        # the backward completed (the oracle's recorded order), else the worst one
+        out_of_band = [p for p in present if by_name[p]["class"] != WITHIN]
+        first = min(out_of_band, key=lambda p: rank.get(p, len(rank))) if out_of_band and rank else worst
+        layer_rows.append({"name": lab, "rel_l2" if not norms_only else "norm_dev": err, "band": band, "band_low": band_low,
+                           "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
+                           "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
+
+    verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only, rank)
+    loss = c.get("loss") or {}
+    return {
+        "name": plan["name"], "path": str(c.path), "kind": c.kind, "precision": plan["precision"],
+        "norms_only": norms_only, "loss": loss.get("value"),
+        "band_source": str(plan["band"].path) if plan["band"] is not None else None,
+        "band_kind": ("emulated " + plan["band"].get("precision") + f" x{plan['band'].get('members', 1)}")
+        if plan["band"] is not None else f"tolerance table ({plan['precision']})",
+        "params": params, "layers": layer_rows, "verdict": verdict,
+    }  # fmt: skip
+
+
+def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[str, Any]:
+    name, prec = plan["name"], plan["precision"]
+    if not layer_rows:
+        return {"class": WITHIN, "excess": 0.0, "worst_layer": None, "onset": None, "global_scale": None,
+                "text": f"{name} ({prec}): no parameter in common with the oracle"}  # fmt: skip
+    # along the backward (the oracle's completion order, loss end first), not in storage order:
+    # the first one the backward completes is where non-finite values appear first
+    nonfinite = sorted((p["name"] for p in params if p["nonfinite"]), key=lambda n: rank.get(n, len(rank)))
+    worst = max(layer_rows, key=lambda r: r["excess"])
+    key = "norm_dev" if norms_only else "rel_l2"
+    onset = None
+    for i, lr in enumerate(layer_rows):
+        if lr["class"] != WITHIN:
+            after = layer_rows[i + 1 :]
+            peak = max([lr] + after, key=lambda r: r["excess"])
+            onset = {
+                "layer": lr["name"], "param": _short(lr["first_param"], lr["name"]), "excess": lr["excess"],
+                "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
+                "peak_layer": peak["name"], "peak_excess": peak["excess"],
+            }  # fmt: skip
+            break
+    gs = None
+    if not norms_only and rows:
+        agg = aggregate(list(rows.values()))
+        c_star, resid = global_scale(agg)
+        overall_band = max(r["band"] for r in layer_rows)
+        explained = agg["rel_l2"] > margin * overall_band and resid <= margin * overall_band
+        gs = {"c": c_star, "rel_l2": agg["rel_l2"], "residual_after_scaling": resid, "explains": explained}
+    cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
+    what = "norm deviation" if norms_only else "rel L2"
+    if cls == NONFINITE:
+        where = "first along the backward" if rank else "first in storage order (the oracle has no backward order)"
+        text = f"{name} ({prec}): NON-FINITE gradients in {len(nonfinite)} parameter(s), {where}: {nonfinite[0]}"
+    elif cls == WITHIN:
+        text = (f"{name} ({prec}): within noise; worst layer {worst['name']} at {what} {worst[key]:.2e}"
+                f" = {worst['excess']:.2f}x its band")  # fmt: skip
+    else:
+        o = onset
+        text = (f"{name} ({prec}): BEYOND NOISE; leaves the band at {o['layer']} ({o['param']}, {o['excess']:.1f}x)"
+                f", {o['stays_out']}/{o['after']} layers after stay out, peak {o['peak_excess']:.1f}x at {o['peak_layer']}")  # fmt: skip
+    if gs and gs["explains"]:
+        text += f"; loss scaling / normalisation mismatch, c = {gs['c']:.6g} (after scaling: {gs['residual_after_scaling']:.2e})"
+    if norms_only:
+        text += " [norm-only capture: scored on norm ratio alone]"
+    if cls == BEYOND and onset["layer"] == layer_rows[0]["name"]:
+        # a forward fault perturbs the loss, so every gradient leaves the band from the loss end on
+        text += "; an onset at the loss end may be a forward fault: only a local replay (capture --modules) localises those"
+    if plan.get("band_warning"):
+        text += f" [WARNING: {plan['band_warning']}]"
+    return {"class": cls, "nonfinite_params": nonfinite, "band_warning": plan.get("band_warning"), "excess": worst["excess"], "worst_layer": worst["name"],
+            "worst_rel_l2": worst[key], "onset": onset, "global_scale": gs, "text": text}  # fmt: skip
+
+
+def _compare(caps: list[dict], layers) -> dict[str, Any]:
+    """Per layer, the capture closest to the truth. A layer with non-finite gradients has error inf
+    (its finite-element metrics must not make it look perfect); a tie is won by nobody."""
+    key = lambda c: "norm_dev" if c["norms_only"] else "rel_l2"  # noqa: E731
+    per_layer = []
+    for lab, _ in layers:
+        vals = {
+            c["name"]: (math.inf if r["class"] == NONFINITE else r[key(c)]) for c in caps for r in c["layers"] if r["name"] == lab
+        }
+        if len(vals) > 1:
+            best = min(vals.values())
+            leaders = [n for n, v in vals.items() if v == best]
+            per_layer.append({"layer": lab, "closest": leaders[0] if len(leaders) == 1 and math.isfinite(best) else None,
+                              "errors": vals})  # fmt: skip
+    overall = {c["name"]: c["verdict"].get("worst_rel_l2") for c in caps}
+    wins = {c["name"]: sum(1 for r in per_layer if r["closest"] == c["name"]) for c in caps}
+    top = max(wins.values()) if wins else 0
+    leaders = [n for n, w in wins.items() if w == top]
+    return {"per_layer": per_layer, "layers_won": wins, "closest_overall": leaders[0] if len(leaders) == 1 and top else None,
+            "worst_layer_error": overall}  # fmt: skip
+
+
+def _oracle_info(oracle: Bundle, nonfinite: list[str]) -> dict[str, Any]:
+    cert = oracle.get("certificate")
+    warn = None
+    if nonfinite:
+        warn = (f"the oracle's own gradients are non-finite in {len(nonfinite)} parameter(s), first along the backward: "
+                f"{nonfinite[0]}: the step overflows even in float64")  # fmt: skip
+    elif cert is None:
+        why = ("a streamed replay (--max-memory) has none" if oracle.get("streaming")
+               else "replayed with --no-verify, or above the size where --verify is automatic")  # fmt: skip
+        warn = f"the oracle is uncertified ({why}): its gradient was not checked by finite differences"
+    elif cert["fd_rel_residual"] > FD_WARN:
+        warn = f"the oracle's finite-difference residual {cert['fd_rel_residual']:.1e} exceeds {FD_WARN:.0e}: do not trust it"
+    return {
+        "path": str(oracle.path), "precision": oracle.get("precision"), "loss": (oracle.get("loss") or {}).get("value"),
+        "certificate": cert, "numerics": oracle.get("numerics"), "warning": warn,
+        "source_precision": (oracle.get("source") or {}).get("precision"), "nonfinite_params": nonfinite,
+    }  # fmt: skip
+
+
+def _summary(out: dict[str, Any]) -> str:
+    lines = [c["verdict"]["text"] for c in out["captures"]]
+    lines += [
+        f"note: {c['name']}: same step not verified for its {' and '.join(c['unverified'])} (not in the capture)"
+        for c in out["captures"]
+        if c.get("unverified")
+    ]
+    cmp = out.get("comparison")
+    if cmp and cmp["per_layer"]:
+        won = ", ".join(f"{n} {k}/{len(cmp['per_layer'])}" for n, k in cmp["layers_won"].items())
+        closest = cmp["closest_overall"] or "none (a tie)"
+        lines.append(f"closer to the truth, layers won: {won}; overall closest: {closest}")
+    if out["oracle"]["warning"]:
+        lines.append("WARNING: " + out["oracle"]["warning"])
+    return "\n".join(lines)

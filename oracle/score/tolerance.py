@@ -1,0 +1,57 @@
+"""The tolerance table keyed by the capture's precision, derived from the precision table.
+
+A measured noise band (``oracle score --band``) always wins over this table. The table is the
+fallback when no emulated run of the step exists, and supplies two constants the band needs:
+
+    expected  -- relative L2 gradient error an honest run of that precision reaches (the reasoning
+                 for each entry is in precision.py, next to the entry);
+    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``);
+    margin    -- error / band_upper above which a parameter or layer is ``beyond_noise``. The band
+                 upper is the max over K emulated members; an honest run lands within ~1.5x of it
+                 (measured: real autocast vs emulated bf16 median ratio 0.9), so 3x leaves room
+                 for an unlucky draw while a real bug (typically 10x-1000x) stands far out.
+
+Callers override entries with ``overrides={"amp-bf16": {"expected": 0.03}}`` (CLI: ``--tol
+amp-bf16:expected=0.03``, ``--margin 3``).
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from ..precision import TABLE, UNKNOWN
+
+MARGIN = 3.0
+FIELDS = ("expected", "floor")
+
+
+def table(overrides: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
+    t = {p.name: {"expected": p.expected, "floor": p.floor} for p in (*TABLE.values(), UNKNOWN)}
+    for key, vals in (overrides or {}).items():
+        t.setdefault(key, dict(t[UNKNOWN.name])).update(vals)
+    return t
+
+
+def row(tol: dict[str, dict[str, float]], precision: str | None) -> dict[str, float]:
+    """The entry for ``precision``; runs of unknown precision are held to the ``unknown`` entry."""
+    return tol.get(precision or UNKNOWN.name, tol[UNKNOWN.name])
+
+
+def parse_overrides(specs: list[str]) -> dict[str, dict[str, float]]:
+    """``["amp-bf16:expected=0.03", ...]`` -> ``{"amp-bf16": {"expected": 0.03}}``."""
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs:
+        try:
+            key, rest = spec.split(":", 1)
+            field, value = rest.split("=", 1)
+            if field not in FIELDS:
+                raise ValueError
+            number = float(value)
+        except ValueError:
+            raise UsageError(f"--tol {spec!r}: expected PRECISION:expected=VALUE or PRECISION:floor=VALUE") from None
+        known = (*TABLE, UNKNOWN.name)
+        if key not in known:
+            raise UsageError(f"--tol {spec!r}: unknown precision {key!r}; choose one of {', '.join(known)}")
+        if not (number > 0 and number < float("inf")):
+            raise UsageError(f"--tol {spec!r}: a tolerance is a positive, finite relative error")
+        out.setdefault(key, {})[field] = number
+    return out

@@ -1,0 +1,147 @@
+"""The tree is the architecture: the engine's packages follow the data's path, imports point one
+way (CLI -> integrations -> score/report -> replay -> parallel -> capture -> bundle -> root) and no
+module imports itself back through another, lazy imports inside functions included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "oracle"
+
+# The tier of each top-level package of oracle/; a module may import its own tier's package and
+# any lower tier, never a higher one. The face (oracle/__init__.py, __main__.py) is exempt: it is
+# what users import, and it imports lazily what it exposes.
+TIERS = {
+    "oracle.errors": 0, "oracle.recipe": 0, "oracle.version": 0, "oracle.metrics": 0, "oracle.precision": 0,
+    "oracle.bundle": 1,
+    "oracle.capture": 2,
+    "oracle.parallel": 3,
+    "oracle.replay": 4,
+    "oracle.score": 5, "oracle.report": 5,
+    "oracle.integrations": 6,
+    "oracle.pipeline": 7,
+}  # fmt: skip
+FACE = {"oracle", "oracle.__main__"}
+MAX_ROOT_MODULES = 6  # __init__, __main__, errors, recipe, version, metrics
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in ENGINE.rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the oracle modules it imports anywhere in its body (top level or lazily)."""
+    edges: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    dst = sub if sub in mods else target
+                    if dst in mods and dst != mod:
+                        edges.setdefault(mod, set()).add(dst)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in mods and alias.name != mod:
+                        edges.setdefault(mod, set()).add(alias.name)
+    return edges
+
+
+def _tier(mod: str) -> int | None:
+    for prefix, tier in sorted(TIERS.items(), key=lambda kv: -len(kv[0])):
+        if mod == prefix or mod.startswith(prefix + "."):
+            return tier
+    return None
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of modules, or None (iterative DFS, colours white/grey/black)."""
+    colour: dict[str, int] = {}
+    for start in sorted(edges):
+        if colour.get(start):
+            continue
+        stack = [(start, iter(sorted(edges.get(start, ()))))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child) == 1:
+                return path[path.index(child) :] + [child]
+            elif not colour.get(child):
+                colour[child] = 1
+                stack.append((child, iter(sorted(edges.get(child, ())))))
+                path.append(child)
+    return None
+
+
+def test_every_engine_module_has_a_tier():
+    """A new package (or root module) must be placed in the architecture before it is used."""
+    untiered = [m for m in _modules() if m not in FACE and _tier(m) is None]
+    assert not untiered, f"modules outside every tier of tests/test_layout.py: {untiered}"
+
+
+def test_no_import_cycles_lazy_imports_included():
+    """No module reaches itself through the imports of others, counting imports inside functions."""
+    mods = _modules()
+    edges = {m: {d for d in ds if d not in FACE} for m, ds in _imports(mods).items() if m not in FACE}
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(str(mods[m].relative_to(ROOT)) for m in cycle)
+
+
+def test_imports_point_one_way():
+    """No import from a lower stage up into a higher one (e.g. capture importing the replay engine)."""
+    mods = _modules()
+    against = []
+    for src, dsts in _imports(mods).items():
+        if src in FACE:
+            continue
+        for dst in dsts:
+            if dst in FACE:
+                against.append(f"{mods[src].relative_to(ROOT)} imports the package face {dst}")
+            elif _tier(dst) > _tier(src):
+                against.append(f"{mods[src].relative_to(ROOT)} (tier {_tier(src)}) imports {mods[dst].relative_to(ROOT)} (tier {_tier(dst)})")
+    assert not against, "imports against the direction:\n" + "\n".join(sorted(against))
+
+
+def test_root_holds_only_a_handful_of_modules():
+    """What everything uses stays at the root; the rest lives in a stage package."""
+    root = sorted(p.name for p in ENGINE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_readme_map_matches_the_tree():
+    """README's Layout names every package of oracle/ and no package that does not exist."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    packages = sorted(str(p.parent.relative_to(ROOT)) + "/" for p in ENGINE.rglob("__init__.py"))
+    missing = [p for p in packages if f"`{p}`" not in section]
+    assert not missing, f"README's Layout does not name {missing}"
+    named = {w.strip("`") for w in section.split() if w.startswith("`oracle/") and w.rstrip("`,.:;").endswith("/")}
+    stale = [p for p in named if not (ROOT / p.strip("`,.:;")).is_dir()]
+    assert not stale, f"README's Layout names folders that do not exist: {stale}"
+
+
+def test_the_checker_sees_a_planted_cycle_and_an_upward_import():
+    """The two checks above can fail: a cycle and an upward edge planted in a copy of the graph are found."""
+    mods = _modules()
+    edges = _imports(mods)
+    planted = {k: set(v) for k, v in edges.items()}
+    planted.setdefault("oracle.bundle.store", set()).add("oracle.replay.run")
+    assert _cycle({m: {d for d in ds if d not in FACE} for m, ds in planted.items() if m not in FACE}) is not None
+    assert _tier("oracle.replay.run") > _tier("oracle.bundle.store")
