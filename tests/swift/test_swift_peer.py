@@ -147,3 +147,27 @@ def test_bf16_steps_agree_with_fp32_within_bf16_noise(step):
         assert ranks[0]["meta"]["loss_sum"] == pytest.approx(ref, rel=1e-2)
         assert ranks[0]["weights"]["module.module.language_model.output_layer.weight"].dtype == torch.bfloat16
         assert ranks[0]["grads_post"]["module.module.language_model.output_layer.weight"].dtype == torch.float32
+
+
+def test_pp2_stages_put_together_by_layer_offset_match_tp1(step, tmp_path_factory, hf_dir):
+    """PP 2 (megatron-core's 1F1B schedule, p2p over gloo): stage 0 holds the embedding, the vision
+    tower and layers 0-1, stage 1 layers 2-3 (local names 0-1), the final norm and the head; only the
+    last stage has a loss. Put together by layer offset, every gradient equals TP 1's (~1e-6)."""
+    import re
+
+    _, _, one = step("tp1-fp32")
+    out = str(tmp_path_factory.mktemp("pp2-fp32"))
+    peer.run(out, tp=1, pp=2, dtype="fp32", model_dir=hf_dir)
+    stages = truth.load_ranks(out)
+    assert [r["meta"]["pp_rank"] for r in stages] == [0, 1]
+    assert stages[0]["meta"]["loss_sum"] is None
+    assert stages[1]["meta"]["loss_sum"] == pytest.approx(one[0]["meta"]["loss_sum"], rel=1e-6)
+    per_stage = one[0]["meta"]["params"]
+    seen = set()
+    for r in stages:
+        offset = r["meta"]["pp_rank"] * 2
+        for n, g in r["grads_post"].items():
+            glob = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", n)
+            assert truth.rel_l2(g, one[0]["grads_post"][glob]) < 1e-5, (n, glob)
+            seen.add(glob)
+    assert seen == set(per_stage)
