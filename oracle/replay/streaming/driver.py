@@ -66,8 +66,10 @@ def _walk(d: Any):
 
 
 def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
-                    base: dict[str, Any], t0: float, activation_budget: int | None = None) -> Path:  # fmt: skip
-    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling)."""
+                    base: dict[str, Any], t0: float, activation_budget: int | None = None,
+                    token_chunk: int | None = None) -> Path:  # fmt: skip
+    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
+    ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK)."""
     from ..setup import carry_inputs_and_weights, recipe_of
 
     tame_malloc()
@@ -97,7 +99,8 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
         build_mode = PrecisionMode(compute)
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
-                              progress=progress and distributed.is_main())  # fmt: skip
+                              progress=progress and distributed.is_main(),
+                              **({} if token_chunk is None else {"token_chunk": token_chunk}))  # fmt: skip
         fixed = rss_bytes() + unit_reserve(cap, compute, largest_unit_bytes(engine))
         if budget < fixed:
             raise UsageError(

@@ -54,6 +54,8 @@ from ..loss import chunked_head
 from ..setup import use_replay_attention
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .spill import ActivationStore
+from .tokens import CHUNK as TOKEN_CHUNK
+from .tokens import chunk_tokens
 
 JOURNAL = "journal.jsonl"
 
@@ -104,7 +106,8 @@ class StreamEngine:
     to ``work`` as shards (journal lines) as they become final."""
 
     def __init__(self, cap: Bundle, recipe, mode: PrecisionMode, build_mode: PrecisionMode, compute: torch.dtype,
-                 work: Path, *, budget: int | None, member: str = "grads", progress: bool = False) -> None:  # fmt: skip
+                 work: Path, *, budget: int | None, member: str = "grads", progress: bool = False,
+                 token_chunk: int = TOKEN_CHUNK) -> None:  # fmt: skip
         self.cap, self.recipe, self.mode, self.compute = cap, recipe, mode, compute
         self.work, self.member, self.progress = work, member, progress
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
@@ -143,6 +146,10 @@ class StreamEngine:
         self._bars: dict[str, Any] = {}
         for u in self.units:
             self._wrap(u)
+        trx = recipe.stream_token_modules()
+        self.token_chunked = [n for n in select(self.model, trx) if any(n.startswith(u + ".") for u in self.units)] if trx else []
+        for n in self.token_chunked:  # per-token submodules run by token chunks (tokens.py)
+            chunk_tokens(self.model.get_submodule(n), mode, token_chunk)
 
     # -- wiring -------------------------------------------------------------------------------
     def _wrap(self, unit: str) -> None:
