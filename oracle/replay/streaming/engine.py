@@ -101,6 +101,34 @@ class _UnitCall(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def partition(model: torch.nn.Module, recipe) -> tuple[list[str], dict[str, list[str]], str | None, list[str]]:
+    """(streamed units, each unit's parameter names, the streamed head or None, resident parameters)
+    of a skeleton: the recipe's units, outermost only, less those holding a tied parameter."""
+    names = [n for n, _ in model.named_modules()]
+    rx = recipe.stream_units()
+    units = [n for n in select(model, rx)] if rx else []
+    units = [u for u in units if not any(u != o and u.startswith(o + ".") for o in units)]
+    shared = shared_parameters(model, units)
+    unit_params: dict[str, list[str]] = {}
+    for u in units:
+        mod = model.get_submodule(u)
+        ps = [f"{u}.{n}" for n, _ in mod.named_parameters()]
+        if any(p in shared for p in ps):
+            continue  # a unit holding a tied parameter is not streamed: it stays resident
+        unit_params[u] = ps
+    units = [u for u in units if u in unit_params]
+    in_units = {p for ps in unit_params.values() for p in ps}
+    head = "lm_head" if "lm_head" in names and "lm_head.weight" not in shared else None
+    resident = [n for n, _ in model.named_parameters() if n not in in_units and not (head and n == "lm_head.weight")]
+    return units, unit_params, head, resident
+
+
+def token_chunked(model: torch.nn.Module, recipe, units: list[str]) -> list[str]:
+    """The recipe's per-token submodules inside streamed units (run by token chunks, tokens.py)."""
+    trx = recipe.stream_token_modules()
+    return [n for n in select(model, trx) if any(n.startswith(u + ".") for u in units)] if trx else []
+
+
 class StreamEngine:
     """One streamed forward+backward of a captured step. ``run()`` returns the loss; gradients go
     to ``work`` as shards (journal lines) as they become final."""
@@ -113,24 +141,7 @@ class StreamEngine:
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
         use_replay_attention(self.model, mode.round_to)
         self.weights = Weights(cap, compute)
-        names = [n for n, _ in self.model.named_modules()]
-        rx = recipe.stream_units()
-        self.units = [n for n in select(self.model, rx)] if rx else []
-        self.units = [u for u in self.units if not any(u != o and u.startswith(o + ".") for o in self.units)]
-        shared = shared_parameters(self.model, self.units)
-        self.unit_params: dict[str, list[str]] = {}
-        for u in self.units:
-            mod = self.model.get_submodule(u)
-            ps = [f"{u}.{n}" for n, _ in mod.named_parameters()]
-            if any(p in shared for p in ps):
-                continue  # a unit holding a tied parameter is not streamed: it stays resident
-            self.unit_params[u] = ps
-        self.units = [u for u in self.units if u in self.unit_params]
-        in_units = {p for ps in self.unit_params.values() for p in ps}
-        self.head = "lm_head" if "lm_head" in names and "lm_head.weight" not in shared else None
-        self.resident = [
-            n for n, _ in self.model.named_parameters() if n not in in_units and not (self.head and n == "lm_head.weight")
-        ]
+        self.units, self.unit_params, self.head, self.resident = partition(self.model, recipe)
         for n in self.resident:  # small or shared: loaded once, ordinary autograd
             mod_name, _, pname = n.rpartition(".")
             m = self.model.get_submodule(mod_name) if mod_name else self.model
@@ -146,8 +157,7 @@ class StreamEngine:
         self._bars: dict[str, Any] = {}
         for u in self.units:
             self._wrap(u)
-        trx = recipe.stream_token_modules()
-        self.token_chunked = [n for n in select(self.model, trx) if any(n.startswith(u + ".") for u in self.units)] if trx else []
+        self.token_chunked = token_chunked(self.model, recipe, self.units)
         for n in self.token_chunked:  # per-token submodules run by token chunks (tokens.py)
             chunk_tokens(self.model.get_submodule(n), mode, token_chunk)
 
@@ -439,12 +449,3 @@ def max_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def largest_unit_bytes(engine: StreamEngine) -> int:
-    best = 0
-    for ps in engine.unit_params.values():
-        best = max(best, sum(engine.weights.nbytes(p) for p in ps))
-    if engine.head:
-        best = max(best, engine.weights.nbytes("lm_head.weight"))
-    return best
