@@ -81,7 +81,8 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         member_promotions = mode.promotions + build_mode.promotions
         promotions += member_promotions
         stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
-                 "store_budget": engine.store.budget, "fixed_estimate": fixed}  # fmt: skip
+                 "store_budget": engine.store.budget, "fixed_estimate": fixed,
+                 "disk_written": stats.get("disk_written", 0) + engine.store.written + engine.journal.written}  # fmt: skip
         (work / member / "end.json").write_text(
             json.dumps({"loss": loss, "order": engine.order, "promotions": member_promotions})
         )

@@ -58,6 +58,7 @@ from .tokens import CHUNK as TOKEN_CHUNK
 from .tokens import chunk_tokens
 
 JOURNAL = "journal.jsonl"
+DROPPED = object()  # a call's input gradients, dropped from the journal once nothing needs them
 
 
 def tame_malloc() -> None:
@@ -81,7 +82,8 @@ def _trim() -> None:
 class _Call:
     """One call of one unit: what its backward needs."""
 
-    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen")
+    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen",
+                 "producers", "keep")
 
     def __init__(self, unit: str, index: int):
         self.unit, self.index = unit, index
@@ -154,6 +156,7 @@ class StreamEngine:
         self.done_calls: dict[str, int] = {}
         self.journal = _Journal(work, member)
         self.order: list[str] = []  # gradient completion order: the backward order
+        self.consumers: dict[tuple[str, int], list[_Call]] = {}  # call -> the calls its outputs went to
         self._bars: dict[str, Any] = {}
         for u in self.units:
             self._wrap(u)
@@ -176,6 +179,7 @@ class StreamEngine:
             tensors = [call.leaves[i] for i in call.tensor_pos]
             call.requires = [t.requires_grad and t.is_floating_point() for t in tensors]
             call.low = [engine.mode._is_low(t) for t in tensors]
+            engine._trace(call, [t for t, r in zip(tensors, call.requires) if r])
             outs = _UnitCall.apply(engine, call, engine.anchor, *tensors)
             leaves = list(call.out_spec[0])
             for pos, o in zip(call.out_pos, outs):
@@ -209,6 +213,8 @@ class StreamEngine:
 
     def _backward_unit(self, call: _Call, grad_outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         saved = self.journal.grad_inputs(call.unit, call.index)
+        if saved is DROPPED:  # no longer needed: the units that would receive it are finished
+            saved = [None] * len(call.requires)
         if saved is not None and self.journal.unit_done(call.unit):
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
@@ -251,6 +257,7 @@ class StreamEngine:
         self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
         last = self.done_calls[call.unit] == self.calls[call.unit]
         self.journal.record_call(call.unit, call.index, grads)
+        self._drop_consumed((call.unit, call.index))
         if last:
             grads_of_unit = self.pending.pop(call.unit)
             self.order += [p for p in self.unit_params[call.unit] if p in grads_of_unit]
@@ -258,6 +265,39 @@ class StreamEngine:
         _trim()
         self._tick("backward", call.unit)
         return grads
+
+    # -- what resume needs, held once --------------------------------------------------------------
+    # A finished call's input gradients are journalled so that a resumed run can hand them on without
+    # recomputing the unit. They are needed only until every unit that produced those inputs has
+    # finished too (a resumed run skips those, ignoring what they receive), and for ever where the
+    # gradient also reaches a resident parameter through the glue between units (its gradient is
+    # summed at the end of the backward). The forward records, per call, the unit calls its inputs
+    # come from (a walk of the glue's autograd graph back to them); the journal drops the file then.
+    def _trace(self, call: _Call, tensors: list[torch.Tensor]) -> None:
+        producers, keep, seen = set(), False, set()
+        stack = [t.grad_fn for t in tensors]
+        keep = any(t.grad_fn is None and t.requires_grad for t in tensors)  # a leaf input: its gradient is a result
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            other = getattr(fn, "call", None)
+            if isinstance(other, _Call):
+                producers.add((other.unit, other.index))
+                continue
+            if hasattr(fn, "variable"):  # AccumulateGrad: a leaf (a resident parameter, or the anchor)
+                keep = keep or fn.variable is not self.anchor
+                continue
+            stack.extend(f for f, _ in fn.next_functions)
+        call.producers, call.keep = producers, keep
+        for p in producers:
+            self.consumers.setdefault(p, []).append(call)
+
+    def _drop_consumed(self, done: tuple[str, int]) -> None:
+        for c in self.consumers.get(done, []):
+            if not c.keep and all(self.journal.call_recorded(*p) for p in c.producers):
+                self.journal.drop_call(c.unit, c.index)
 
     # -- the head ----------------------------------------------------------------------------------
     def _prepare_head(self, head: torch.nn.Module) -> torch.Tensor:
@@ -320,7 +360,12 @@ class _Journal:
         self.path = self.dir / JOURNAL
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
+        self.dropped: set[tuple[str, int]] = set()
+        self.written = 0  # bytes of the files written (shards and input gradients)
         for rec in read_journal(self.dir):
+            if rec["kind"] == "drop":
+                self.dropped.add((rec["unit"], rec["index"]))
+                continue
             if not (self.dir / rec["file"]).is_file():
                 continue
             if rec["kind"] == "unit":
@@ -335,8 +380,7 @@ class _Journal:
             f.flush()
             os.fsync(f.fileno())
 
-    @staticmethod
-    def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    def _save(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
         tmp = path.with_suffix(".tmp")
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
         fd = os.open(tmp, os.O_RDONLY)
@@ -345,11 +389,26 @@ class _Journal:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        self.written += path.stat().st_size
 
     def unit_done(self, unit: str) -> bool:
         return unit in self.units
 
+    def call_recorded(self, unit: str, index: int) -> bool:
+        return (unit, index) in self.calls or (unit, index) in self.dropped
+
+    def drop_call(self, unit: str, index: int) -> None:
+        """The call's input gradients are no longer needed: journalled as dropped, then removed."""
+        f = self.calls.pop((unit, index), None)
+        if f is None:
+            return
+        self._append({"kind": "drop", "unit": unit, "index": index})
+        self.dropped.add((unit, index))
+        (self.dir / f).unlink(missing_ok=True)
+
     def grad_inputs(self, unit: str, index: int) -> list[torch.Tensor | None] | None:
+        if (unit, index) in self.dropped:
+            return DROPPED
         f = self.calls.get((unit, index))
         if f is None:
             return None
@@ -358,7 +417,7 @@ class _Journal:
         return [d.get(str(i)) for i in range(n)]
 
     def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None]) -> None:
-        if (unit, index) in self.calls:
+        if self.call_recorded(unit, index):
             return
         f = f"gin-{_slug(unit)}-{index}.safetensors"
         tensors = {str(i): g for i, g in enumerate(grads) if g is not None}
