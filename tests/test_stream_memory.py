@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from oracle.bundle.store import Bundle
+from oracle.bundle.rows import RowWriter
+from oracle.bundle.store import Bundle, tensor_sha256, value_sha256
 from oracle.replay.run import replay
-from oracle.replay.streaming import engine
+from oracle.replay.streaming import engine, materialize
 from oracle.replay.streaming.plan import plan
 
 
@@ -56,3 +58,33 @@ def test_the_journal_holds_input_gradients_only_while_resume_needs_them(fp32_cap
     n_calls = len(held)
     assert n_calls >= 10 and max(held) <= 4, held  # 12 units; kept: the block feeding on a resident table, the frontier
     _ = out
+
+
+def test_the_head_and_embedding_are_never_whole_in_float64(fp32_capture, oracle_bundle, tmp_path, monkeypatch):
+    """Neither the head's nor the embedding's weight is loaded whole (rows only), and their dense
+    gradients, written by chunks, equal the in-memory oracle's bitwise."""
+    loaded = []
+    original = materialize.Weights.load
+    monkeypatch.setattr(materialize.Weights, "load", lambda self, name: loaded.append(name) or original(self, name))
+    out = replay(fp32_capture, tmp_path / "s", max_memory=8 << 30)
+    assert loaded and "lm_head.weight" not in loaded and "model.language_model.embed_tokens.weight" not in loaded
+    a, b = Bundle(oracle_bundle), Bundle(out)
+    for n in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+        assert torch.equal(a.load("grads", n), b.load("grads", n)), n
+        assert b.entry("grads", n)["value_sha256"] == a.entry("grads", n)["value_sha256"]
+    emb = b.load("grads", "model.language_model.embed_tokens.weight")
+    used = torch.unique(Bundle(fp32_capture).load("inputs", "input_ids"))
+    unused = torch.ones(emb.shape[0], dtype=torch.bool)
+    unused[used] = False
+    assert unused.any() and emb[unused].abs().max() == 0  # rows no token read are exactly zero
+
+
+def test_a_row_written_tensor_is_an_ordinary_safetensors_file_with_its_hashes(tmp_path):
+    """RowWriter's file loads with safetensors, and its entry's hashes are the bundle's own."""
+    t = torch.randn(10, 3, dtype=torch.float64)
+    w = RowWriter(tmp_path / "x.safetensors", "x", [10, 3], torch.float64)
+    for a in range(0, 10, 4):
+        w.write(t[a : a + 4])
+    e = w.close()
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["x"], t)
+    assert e == {"dtype": "float64", "shape": [10, 3], "sha256": tensor_sha256(t), "value_sha256": value_sha256(t)}

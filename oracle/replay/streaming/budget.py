@@ -12,9 +12,11 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
                + MLP_PER_TOKEN x min(n, chunk) x i  (the MLP's gate, up, activation, product, and
                                                      gradients: per token chunk where the MLP is
                                                      token-chunked, tokens.py; else per n tokens)
-    embedding    (an nn.Embedding unit) weights + dense gradient + 2 x n x w
-    head         the chunked head/loss (headloss.py): its weight and gradient, the loss rows' hidden
-                 states and their gradient, and one block of logits (headloss.ROW_CHUNK x CHUNK) x 4
+    embedding    (an nn.Embedding unit, embedding.py) the used rows and their gradient (at most
+                 min(n, V) rows each), its output and output gradient (2 x n x w), one written chunk
+    head         the chunked head/loss by vocabulary rows (head.py, headloss.py): one chunk of the
+                 weight and one of its gradient, the loss rows' hidden states and their gradient,
+                 and one block of logits (headloss.ROW_CHUNK x CHUNK) x 4
 
 The constants were measured on a Qwen3 decoder layer in float64 (hidden 1024, 8 heads of 128, 2 KV
 heads, MLP 3072 and 6144, 4096 and 8192 tokens, chunk 512): the peak RSS of its recomputation and
@@ -45,7 +47,10 @@ def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked
     """Bytes unit ``mod`` needs while it is recomputed and backpropagated (the split above)."""
     weights = sum(p.numel() for p in mod.parameters()) * size
     if isinstance(mod, nn.Embedding):
-        return {"weights": weights, "grads": weights, "working": 2 * tokens * mod.embedding_dim * size}
+        from .embedding import CHUNK as ROWS
+
+        used = min(tokens, mod.num_embeddings) * mod.embedding_dim * size
+        return {"weights": used, "grads": used, "working": (2 * tokens + ROWS) * mod.embedding_dim * size}
     lin = _linears(mod)
     if not lin:  # a convolution (patch embedding): its input, output and their gradients
         return {"weights": weights, "grads": weights, "working": 4 * tokens * max((p.shape[0] for p in mod.parameters()), default=1) * size}
@@ -59,7 +64,7 @@ def head_need(vocab: int, hidden: int, loss_tokens: int, size: int) -> int:
     from ..headloss import CHUNK, ROW_CHUNK
 
     block = min(ROW_CHUNK, max(loss_tokens, 1)) * min(CHUNK, vocab)
-    return (2 * vocab * hidden + 2 * loss_tokens * hidden + HEAD_LOGIT_BLOCKS * block) * size
+    return (2 * min(CHUNK, vocab) * hidden + 2 * loss_tokens * hidden + HEAD_LOGIT_BLOCKS * block) * size
 
 
 def reserve(model: nn.Module, units: list[str], chunked: list[str], *, text_tokens: int, patches: int, loss_tokens: int,

@@ -52,6 +52,8 @@ from ...errors import UsageError
 from ...precision.mode import PrecisionMode
 from ..loss import chunked_head
 from ..setup import use_replay_attention
+from .embedding import UsedRows, by_rows, write_dense
+from .head import CaptureHead
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .spill import ActivationStore
 from .tokens import CHUNK as TOKEN_CHUNK
@@ -161,6 +163,7 @@ class StreamEngine:
         for u in self.units:
             self._wrap(u)
         self.token_chunked = token_chunked(self.model, recipe, self.units)
+        self.by_rows: dict[str, dict[int, UsedRows]] = {u: {} for u in self.units if by_rows(self.model.get_submodule(u))}
         for n in self.token_chunked:  # per-token submodules run by token chunks (tokens.py)
             chunk_tokens(self.model.get_submodule(n), mode, token_chunk)
 
@@ -201,9 +204,14 @@ class StreamEngine:
         module = self.model.get_submodule(call.unit)
         call.handle = self.store.put(tensors)
         call.gen = self.mode._gen.get_state() if self.mode._gen is not None else None
-        materialize(module, call.unit + ".", self.weights, requires_grad=False)
-        out = self._run(call, tensors)
-        evict(module)
+        if call.unit in self.by_rows:  # a token embedding: only the used rows (embedding.py)
+            rows = self.by_rows[call.unit][call.index] = UsedRows(self.cap, call.unit + ".weight", self.compute,
+                                                                  tensors[0], module.padding_idx)  # fmt: skip
+            out = rows.forward(rows.weight(requires_grad=False))
+        else:
+            materialize(module, call.unit + ".", self.weights, requires_grad=False)
+            out = self._run(call, tensors)
+            evict(module)
         leaves, spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call.out_spec = ([None if isinstance(x, torch.Tensor) else x for x in leaves], spec)
@@ -223,6 +231,8 @@ class StreamEngine:
                 self.order += [p for p in self.unit_params[call.unit] if p in written]
             self._tick("backward", call.unit)
             return saved
+        if call.unit in self.by_rows:
+            return self._backward_rows(call, grad_outs)
         module = self.model.get_submodule(call.unit)
         tensors = self.store.take(call.handle)
         inputs = []
@@ -266,6 +276,42 @@ class StreamEngine:
         self._tick("backward", call.unit)
         return grads
 
+    def _backward_rows(self, call: _Call, grad_outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A token embedding's backward: the used rows' gradient, accumulated over its calls, written
+        dense by chunks when the last call is done."""
+        self.store.take(call.handle)
+        rows = self.by_rows[call.unit].pop(call.index)
+        w = rows.weight(requires_grad=True)
+        with torch.enable_grad():
+            out = rows.forward(w)
+            if grad_outs[0] is not None:
+                torch.autograd.backward([out], [grad_outs[0]])
+        g = w.grad if w.grad is not None else torch.zeros_like(w)
+        acc = self.pending.get(call.unit)
+        if acc is not None:  # a second call of the same embedding: sum over the union of their rows
+            used = torch.unique(torch.cat([acc[0], rows.used]), sorted=True)
+            total = torch.zeros((used.numel(), g.shape[1]), dtype=g.dtype)
+            total[torch.searchsorted(used, acc[0])] += acc[1]
+            total[torch.searchsorted(used, rows.used)] += g
+            self.pending[call.unit] = (used, total)
+        else:
+            self.pending[call.unit] = (rows.used, g)
+        del w, out
+        self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
+        grads = [None] * len(call.requires)
+        self.journal.record_call(call.unit, call.index, grads)
+        self._drop_consumed((call.unit, call.index))
+        if self.done_calls[call.unit] == self.calls[call.unit]:
+            used, g = self.pending.pop(call.unit)
+            name = call.unit + ".weight"
+            path = self.journal.new_shard()
+            entry = write_dense(path.with_suffix(".tmp"), name, list(self.cap.entry("weights", name)["shape"]), used, g)
+            os.replace(path.with_suffix(".tmp"), path)
+            self.order.append(name)
+            self.journal.commit_file(call.unit, path, {name: entry})
+        self._tick("backward", call.unit)
+        return grads
+
     # -- what resume needs, held once --------------------------------------------------------------
     # A finished call's input gradients are journalled so that a resumed run can hand them on without
     # recomputing the unit. They are needed only until every unit that produced those inputs has
@@ -300,22 +346,10 @@ class StreamEngine:
                 self.journal.drop_call(c.unit, c.index)
 
     # -- the head ----------------------------------------------------------------------------------
-    def _prepare_head(self, head: torch.nn.Module) -> torch.Tensor:
+    def _prepare_head(self, head: torch.nn.Module):
         if self.head is None or head.weight.device != META:
             return head.weight
-        w = torch.nn.Parameter(self.weights.load("lm_head.weight"), requires_grad=True)
-        head._parameters["weight"] = w
-
-        def done(p: torch.Tensor) -> None:
-            self.order.append("lm_head.weight")
-            self.journal.write_unit("lm_head", {"lm_head.weight": p.grad})  # a no-op for a resumed, written head
-            p.grad = None
-            p.data = torch.empty(0, dtype=p.dtype)  # the weight's storage goes now, not at the end of the backward
-            head._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=META))
-            _trim()
-
-        w.register_post_accumulate_grad_hook(done)
-        return w
+        return CaptureHead(self.cap, self.compute, self.journal, self.order)  # by vocabulary chunks (head.py)
 
     # -- progress ----------------------------------------------------------------------------------
     def _tick(self, phase: str, unit: str) -> None:
@@ -425,6 +459,17 @@ class _Journal:
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
         self._append({"kind": "call", "unit": unit, "index": index, "file": f})
+
+    def new_shard(self) -> Path:
+        self._shard += 1
+        return self.dir / f"shard-{self._shard:05d}.safetensors"
+
+    def commit_file(self, unit: str, path: Path, entries: dict[str, dict]) -> None:
+        """A shard written elsewhere (by rows, oracle/bundle/rows.py), fsynced and in place: journalled."""
+        self.written += path.stat().st_size
+        rec = {"kind": "unit", "unit": unit, "file": path.name, "entries": entries}
+        self.units[unit] = rec
+        self._append(rec)
 
     def write_unit(self, unit: str, grads: dict[str, torch.Tensor]) -> None:
         if unit in self.units or not grads:
