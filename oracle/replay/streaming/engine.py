@@ -10,7 +10,9 @@ forward   each unit call is one autograd node (``_UnitCall``). Its float64 weigh
           memory up to the budget, the oldest spilled to disk past it). Everything between units
           (residual glue, deepstack additions, the final norm, rotary tables) is ordinary autograd.
 head/loss the head and loss run by vocabulary chunks (oracle/replay/headloss.py): the head weight is
-          materialised for the loss and freed as soon as its gradient is written.
+          read from the capture by chunks and its gradient written by chunks (head.py); a token
+          embedding holds only the rows the step used (embedding.py); per-token submodules (the
+          recipe's MLPs) run by token chunks inside a unit (tokens.py).
 backward  autograd reaches a unit's node: its inputs are taken back, its weights materialised, the
           unit is run again from those inputs (the same ops in the same order as the forward, so
           the same values bitwise) with autograd on, and backpropagated from the gradient arriving

@@ -108,6 +108,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
         store_budget = None if budget is None else max(budget - fixed, 0)
     spill = 0 if store_budget is None else max(activations - store_budget, 0)
     captured = sum(e["nbytes"] for e in _file_sizes(cap))
+    held = disk_held(model, units, bounds["per_unit"], spill, size)
     fits = budget is None or budget >= fixed
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
@@ -117,7 +118,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
                    "activations": activations, "activations_in_memory": activations - spill,
                    "peak_estimate": fixed + (activations - spill)},
         "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
-                 "written": n_params * size + spill + bounds["input_grads"], "inputs_and_weights": captured},
+                 "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured},
         "budget": budget, "fits": fits,
         "refusal": None if fits else budgets.refusal(budget, fixed, need["by"]),
     }  # fmt: skip
@@ -137,26 +138,53 @@ def boundaries(model: torch.nn.Module, units: list[str], config: dict[str, Any],
     hd = int(text.get("head_dim") or ht // max(int(text.get("num_attention_heads", 1)), 1))
     hv = int(vision.get("hidden_size", 0))
     hvd = hv // max(int(vision.get("num_heads", 1)), 1)
-    act = grads = 0
+    per_unit = []  # (activation bytes, input-gradient bytes) per unit, in forward order
     rotary_text = rotary_vision = False
     for u in units:
         mod = model.get_submodule(u)
+        a = g = 0
         if isinstance(mod, torch.nn.Embedding):
-            act += T * 8
+            a = T * 8
         elif "visual" in u and not any(isinstance(m, torch.nn.Linear) for m in mod.modules()):
-            act += P * sum(p.numel() for p in mod.parameters() if p.ndim > 1) // max(hv, 1) * size  # pixel rows
+            a = P * sum(p.numel() for p in mod.parameters() if p.ndim > 1) // max(hv, 1) * size  # pixel rows
         elif "visual" in u:
-            if "deepstack" not in u:
-                act += P * hv * size
-            grads += P * hv * size
+            a = 0 if "deepstack" in u else P * hv * size
+            g = P * hv * size
             if "blocks" in u and not rotary_vision:
-                act, rotary_vision = act + 2 * P * hvd * size, True
+                a, rotary_vision = a + 2 * P * hvd * size, True
         else:
-            act += T * ht * size
-            grads += T * ht * size
+            a = g = T * ht * size
             if not rotary_text:
-                act, rotary_text = act + 2 * T * hd * size, True
-    return {"activations": act, "input_grads": grads}
+                a, rotary_text = a + 2 * T * hd * size, True
+        per_unit.append((a, g))
+    return {"activations": sum(a for a, _ in per_unit), "input_grads": sum(g for _, g in per_unit), "per_unit": per_unit}
+
+
+def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int, int]], spill: int, size: int) -> int:
+    """The most bytes the work directory holds at once. The spill is the oldest units' inputs; the
+    backward walks the units from the last: the head's gradient shard first, then per unit its
+    shard and its input gradients appear and its spilled inputs go; input gradients are held until
+    the unit feeding them is done (here: the last two), the resident parameters' shard comes last."""
+    left, spilled = spill, []
+    for a, _ in per_unit:
+        spilled.append(min(a, left))
+        left -= spilled[-1]
+    in_units = set()
+    disk = spill
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        disk += head.weight.numel() * size
+    peak, held = disk, []
+    for u, (a, g), s in reversed(list(zip(units, per_unit, spilled))):
+        params = list(model.get_submodule(u).parameters())
+        in_units.update(id(p) for p in params)
+        disk += sum(p.numel() for p in params) * size + g - s
+        held.append(g)
+        if len(held) > 2:
+            disk -= held.pop(0)
+        peak = max(peak, disk)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_units and p is not getattr(head, "weight", None))
+    return max(peak, disk + rest * size)
 
 
 def _numel(e: dict) -> int:
@@ -204,6 +232,6 @@ def render(p: dict[str, Any]) -> str:
         f"  disk     oracle gradients {g(p['disk']['gradients'])}; capture files hard-linked (else copied: "
         f"{g(p['disk']['inputs_and_weights'])}); while running: spilled activations {g(p['disk']['spilled_activations'])}, "
         f"resume journal {g(p['disk']['resume_journal'])} written (the last finished units' held); "
-        f"written in all {g(p['disk']['written'])}",
+        f"at most {g(p['disk']['held_peak'])} held at once, {g(p['disk']['written'])} written in all",
     ]  # fmt: skip
     return "\n".join(lines)
