@@ -136,7 +136,11 @@ def bench_plan(d: Path, cfg_path: Path | None) -> dict:
 
 
 def _config(path: Path, layers: int) -> dict:
-    cfg = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_") and k not in ("architectures", "torch_dtype")}
+    cfg = {
+        k: v
+        for k, v in json.loads(path.read_text()).items()
+        if not k.startswith("_") and k not in ("architectures", "torch_dtype")
+    }
     cfg["text_config"] = {**cfg["text_config"], "num_hidden_layers": layers}
     return cfg
 

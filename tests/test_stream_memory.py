@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from cli import app
 from oracle.bundle.rows import RowWriter
 from oracle.bundle.store import Bundle, tensor_sha256, value_sha256
+from oracle.errors import UsageError
 from oracle.replay.run import replay
 from oracle.replay.streaming import engine, materialize
 from oracle.replay.streaming.plan import plan
@@ -88,3 +93,25 @@ def test_a_row_written_tensor_is_an_ordinary_safetensors_file_with_its_hashes(tm
     e = w.close()
     assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["x"], t)
     assert e == {"dtype": "float64", "shape": [10, 3], "sha256": tensor_sha256(t), "value_sha256": value_sha256(t)}
+
+
+def test_dry_run_refuses_where_the_run_would_and_needs_no_out(fp32_capture, tmp_path):
+    """--dry-run without --out: a budget below the estimate exits 2 naming the budget that would do; the run
+    refuses that budget too, and runs with the one the dry run named."""
+    r = CliRunner().invoke(app, ["replay", fp32_capture, "--dry-run", "--max-memory", "100M"])
+    assert r.exit_code == 2, r.output
+    assert "ABOVE --max-memory" in r.output and "Traceback" not in r.output
+    m = re.search(r"raise it to at least (\d+(?:\.\d+)?)G", r.output)
+    assert m, r.output
+    with pytest.raises(UsageError, match=r"raise it to at least"):
+        replay(fp32_capture, tmp_path / "s", max_memory=100 << 20)
+    ok = CliRunner().invoke(app, ["replay", fp32_capture, "--dry-run", "--max-memory", f"{m[1]}G"])
+    assert ok.exit_code == 0 and "within --max-memory" in ok.output, ok.output
+    out = replay(fp32_capture, tmp_path / "s", max_memory=int(float(m[1]) * 2**30))
+    assert Bundle(out).get("streaming")["max_memory"] == int(float(m[1]) * 2**30)
+
+
+def test_replay_without_out_is_a_usage_error(fp32_capture):
+    """Only --dry-run runs without --out: otherwise exit 2 with a message, no traceback."""
+    r = CliRunner().invoke(app, ["replay", fp32_capture])
+    assert r.exit_code == 2 and "--out" in r.output and "Traceback" not in r.output

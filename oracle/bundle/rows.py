@@ -45,7 +45,9 @@ class RowWriter:
         data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
         self._f.write(data)
         self._sha.update(data)
-        self._value.update(data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy()))
+        self._value.update(
+            data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
+        )
         self.rows += block.shape[0]
 
     def close(self) -> dict:

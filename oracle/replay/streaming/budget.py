@@ -53,7 +53,11 @@ def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked
         return {"weights": used, "grads": used, "working": (2 * tokens + ROWS) * mod.embedding_dim * size}
     lin = _linears(mod)
     if not lin:  # a convolution (patch embedding): its input, output and their gradients
-        return {"weights": weights, "grads": weights, "working": 4 * tokens * max((p.shape[0] for p in mod.parameters()), default=1) * size}
+        return {
+            "weights": weights,
+            "grads": weights,
+            "working": 4 * tokens * max((p.shape[0] for p in mod.parameters()), default=1) * size,
+        }
     w = lin[0].in_features
     i = max(m.out_features for m in lin)
     rows = min(tokens, chunk) if chunked and chunk else tokens

@@ -25,6 +25,7 @@ from ...precision.mode import PrecisionMode
 from . import budget as budgets
 from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
+
 def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
     from ...version import __version__
 

@@ -175,7 +175,7 @@ def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int
     if head is not None:
         disk += head.weight.numel() * size
     peak, held = disk, []
-    for u, (a, g), s in reversed(list(zip(units, per_unit, spilled))):
+    for u, (_, g), s in reversed(list(zip(units, per_unit, spilled))):
         params = list(model.get_submodule(u).parameters())
         in_units.update(id(p) for p in params)
         disk += sum(p.numel() for p in params) * size + g - s
