@@ -4,7 +4,8 @@ A token embedding (``nn.Embedding``: 151936 x 4096 for Qwen3-VL-8B, 4.6 GiB in f
 gradient of the same size) is read by the step only at the token ids it sees. Here its unit runs as
 
     used = sorted unique ids (U of them),  inv = their positions: ids = used[inv]
-    W_used = the capture's rows ``used`` (read alone and upcast, exact), (U, H)
+    W_used = the capture's rows ``used`` (read alone and upcast, exact; the whole tensor's sha256
+             checked once first), (U, H)
     out = embedding(inv, W_used)   (= embedding(ids, W): the same rows gathered, bitwise)
 
 and its gradient is grad W_used (U, H): for every used row the sum of its tokens' output gradients,
@@ -37,6 +38,7 @@ def by_rows(module: nn.Module) -> bool:
 class UsedRows:
     def __init__(self, cap: Bundle, name: str, compute: torch.dtype, ids: torch.Tensor, padding_idx: int | None):
         self.cap, self.name, self.compute = cap, name, compute
+        cap.verify("weights", name)  # rows are read alone, unverified: the whole tensor's sha256 once here
         self.used, self.inv = torch.unique(ids, sorted=True, return_inverse=True)  # (U,), ids.shape
         hit = (self.used == padding_idx).nonzero().reshape(-1) if padding_idx is not None else torch.empty(0)
         self.padding = int(hit[0]) if hit.numel() else None  # the padding row keeps a zero gradient, as nn.Embedding's
