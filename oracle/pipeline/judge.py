@@ -205,7 +205,7 @@ class Judge:
         est["score"] = {
             "seconds": 3 * grads / 500e6,
             "flops": 0,
-            "memory": 4 * base["memory"]["fixed_without_process"] // 4,
+            "memory": base["memory"].get("fixed", base["memory"].get("fixed_without_process", 0)),
             "disk": 0,
         }
         for c, n in zip(caps, self.names):
