@@ -106,6 +106,50 @@ def _check_device(device: str) -> None:
 
 @app.command()
 @user_errors
+def judge(
+    runs: Annotated[list[Path] | None, typer.Argument(help="Run A's and run B's capture folders: Megatron rank folders (capture_rank's output) or capture bundles.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Work folder: every stage's output (reused when its inputs are unchanged) and report/.")] = None,
+    recipe: Annotated[str | None, typer.Option(help="Recipe whose names rank folders are merged to (qwen3, qwen3-vl).")] = None,
+    name: Names = None,
+    log_a: Annotated[Path | None, typer.Option("--log-a", help="Run A's grad-norm log.")] = None,
+    log_b: Annotated[Path | None, typer.Option("--log-b", help="Run B's grad-norm log.")] = None,
+    max_memory: Annotated[str | None, typer.Option(help="Stream the replays within this memory (16G); resumable.")] = None,
+    ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = 4,
+    members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
+    margin: Margin = 3.0,
+    dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose micro-batch is the step.")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
+) -> None:  # fmt: skip
+    """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op."""
+    from oracle.pipeline.judge import Judge, judge_logs
+    from oracle.report.judge import render_judge, render_logs_only
+
+    if not runs:
+        if not (log_a and log_b):
+            raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
+        typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out)))
+        return
+    if len(runs) != 2:
+        raise UsageError(f"judge takes two runs (A and B), got {len(runs)}")
+    if (log_a is None) != (log_b is None):
+        raise UsageError("give both --log-a and --log-b, or neither")
+    if out is None and not dry_run:
+        raise UsageError("give --out DIR: the work folder for the stages and the report")
+    j = Judge(runs[0], runs[1], out=out or Path("."), recipe=recipe, names=name, logs=[log_a, log_b] if log_a else [],
+              max_memory=max_memory, ensemble=ensemble, members=members, margin=margin, nproc=nproc, threads=threads,
+              dp_rank=dp_rank, echo=lambda s: typer.echo(s, err=True))  # fmt: skip
+    if dry_run:
+        typer.echo(j.dry_run())
+        return
+    doc = j.run()
+    typer.echo(render_judge(doc))
+    typer.echo(f"\nreport: {doc['report_files']['html']} (text {doc['report_files']['text']}, json {doc['report_files']['json']})")
+
+
+@app.command()
+@user_errors
 def capture(
     out: Out,
     model: Annotated[str, typer.Option(help="Embedded model name, or a local Hugging Face model directory.")] = "tiny-qwen3-vl",
@@ -178,6 +222,11 @@ def replay(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    if out is None and not dry_run:
+        raise UsageError("give --out: the bundle directory to write (only --dry-run needs none)")
+    if local and max_memory is not None:
+        raise UsageError("--local replays one recorded module at a time (only that module is materialised); "
+                         "--max-memory does not apply to it: drop --max-memory")
     if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/parallel/launch.py); rank 0 prints the result
         from oracle.parallel.launch import argv_of, launch
 
@@ -260,8 +309,11 @@ def score(
     """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
     from oracle.bundle.jsonio import write_json
     from oracle.bundle.store import Bundle
+    from oracle.report.outputs import check_dir, check_file, writing
     from oracle.score.tolerance import parse_overrides
 
+    check_file(json_out, "--json")
+    check_dir(report, "--report")
     overrides = parse_overrides(tol or [])
     first = Bundle(oracle)
     if first.kind == "local":
@@ -288,10 +340,12 @@ def score(
         typer.echo(render(result, top=top))
         write = write_report
     if json_out:
-        write_json(result, json_out)
+        with writing("--json", json_out):
+            write_json(result, json_out)
         typer.echo(f"json: {json_out}")
     if report:
-        typer.echo(f"report: {write(result, report)}")
+        with writing("--report", report):
+            typer.echo(f"report: {write(result, report)}")
 
 
 @app.command("compare-logs")
@@ -388,12 +442,15 @@ def rank_view_cmd(
     logs: Annotated[list[Path] | None, typer.Option("--log", help="Gradient-norm logs printed on that rank: which is closer to the truth.")] = None,
     name: Names = None,
     occurrence: Occurrence = None,
+    json_out: JsonOut = None,
 ) -> None:  # fmt: skip
     """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
     from oracle.bundle.store import Bundle
     from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
     from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
+    from oracle.report.outputs import check_file, writing
 
+    check_file(json_out, "--json")
     st = stage.value if stage is not None else None
     warnings: list[str] = []
     view = rank_view(oracle, rank=rank, pp_rank=pp_rank, tp_size=tp, sequence_parallel=sp, stage=st,
@@ -404,19 +461,33 @@ def rank_view_cmd(
     loss = "per-token (sum before finalize)" if lay["calculate_per_token_loss"] else "mean"
     typer.echo(f"rank view: TP={lay['tp_size']}{' SP' if lay['sequence_parallel'] else ''} rank {rank}, stage {pp_rank} of PP "
                f"{lay['pp_size']}, {lay['stage']}, {loss} loss: {len(view)} gradients")  # fmt: skip
+    doc = {"layout": lay, "rank": rank, "pp_rank": pp_rank, "warnings": warnings, "compare": {}, "logs": None}
     for b in compare or []:
         errs = compare_rank(view, b)
+        doc["compare"][str(b)] = errs
         if not errs:
             typer.echo(f"  {b}: no gradient in common with the view")
             continue
         worst = max(errs, key=errs.get)
         typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
+        w = max(len(n) for n in errs)
+        typer.echo(f"    {'parameter':<{w}} {'rel L2':>9}")
+        for n in sorted(errs):
+            typer.echo(f"    {n:<{w}} {errs[n]:>9.2e}")
     if logs:
         from oracle.integrations import normlog
+        from oracle.integrations.megatron.rankview import log_rows
 
         parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
         labels = name or [p.stem for p in logs]
         typer.echo(compare_view_logs(view, parsed, labels))
+        doc["logs"] = log_rows(view, parsed, labels)
+    if json_out:
+        from oracle.bundle.jsonio import write_json
+
+        with writing("--json", json_out):
+            write_json(doc, json_out)
+        typer.echo(f"json: {json_out}")
 
 
 @app.command("import-msprobe")
@@ -477,16 +548,21 @@ def explain(
     """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
     from oracle.bundle.jsonio import write_json
     from oracle.report.files import write_explain_report
+    from oracle.report.outputs import check_dir, check_file, writing
     from oracle.report.text import render_explain
     from oracle.score.explain import explain as do_explain
 
+    check_file(json_out, "--json")
+    check_dir(report, "--report")
     res = do_explain(capture, module, fmt=fmt)
     typer.echo(render_explain(res))
     if json_out:
-        write_json(res, json_out)
+        with writing("--json", json_out):
+            write_json(res, json_out)
         typer.echo(f"json: {json_out}")
     if report:
-        typer.echo(f"report: {write_explain_report(res, report)}")
+        with writing("--report", report):
+            typer.echo(f"report: {write_explain_report(res, report)}")
 
 
 def main() -> None:  # console script entry point

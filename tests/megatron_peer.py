@@ -70,6 +70,15 @@ def _zero_padded_rows(model, vocab: int, padded: int, tp_rank: int):
                 p[max(vocab - start, 0) :] = 0
 
 
+def _plant_mlp_grad_scale(model, layer: int, factor: float):
+    """Scale the gradient arriving at decoder layer ``layer``'s MLP output by ``factor`` (the forward,
+    and so the loss, untouched): the symptom of the original report, planted in Megatron's own module."""
+    offset = min((int(m.layer_number) - 1 for n, m in model.named_modules() if n.endswith("decoder.layers.0")), default=0)
+    for n, m in model.named_modules():
+        if n.endswith(f"decoder.layers.{layer - offset}.mlp") and hasattr(m, "linear_fc2"):
+            m.register_forward_hook(lambda mod, args, out: out[0].register_hook(lambda g: g * factor) and None)
+
+
 def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir: str | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -124,6 +133,8 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
                      rotary_base=int(CFG["rope_theta"]), share_embeddings_and_output_weights=False,
                      pre_process=first, post_process=last)  # fmt: skip
     _zero_padded_rows(model, vocab, padded, parallel_state.get_tensor_model_parallel_rank())
+    if opts.get("fault"):  # a planted backward fault: the gradient entering one layer's MLP scaled
+        _plant_mlp_grad_scale(model, *opts["fault"])
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                   use_distributed_optimizer=False), model)  # fmt: skip
     ddp.zero_grad_buffer()
@@ -181,12 +192,14 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
 
 def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
-             per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False) -> str:  # fmt: skip
+             per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
+             fault: tuple[int, float] | None = None) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
-    in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD)."""
+    in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
+    ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
-            "packed": packed}  # fmt: skip
+            "packed": packed, "fault": fault}  # fmt: skip
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 

@@ -263,6 +263,8 @@ class PrecisionMode(TorchDispatchMode):
     def _round(self, x: Any) -> Any:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == self.compute):
             return x
+        if x.device.type == "meta":  # a placeholder (an evicted unit's parameter) holds no value: nothing to round,
+            return x  # and the jitter stream must not move
         r = x.to(self.round_to).to(self.compute)
         if self._gen is not None:
             u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)

@@ -40,6 +40,11 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
             err = abs(r["norm_ratio"] - 1) if c["norms_only"] else r["rel_l2"]
             lines.append(f"  {r['name'][-60:]:<60} {_f(err):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8} "
                          f"{_f(r.get('cosine'), '.6f'):>9} {_f(r['norm_ratio'], '.5f'):>10}  {r['class']}")  # fmt: skip
+        for r in c["params"]:  # padded vocabulary rows [V, Vp): real parameters, listed apart
+            pr = r.get("padded_rows")
+            if pr:
+                lines.append(f"  padded rows {pr['rows'][0]}..{pr['rows'][1]} of {r['name']}: rel L2 {_f(pr['rel_l2'])}, "
+                             f"norm {_f(pr['norm'], '.4g')} (truth {_f(pr['ref_norm'], '.4g')})")  # fmt: skip
         lines.append("  per layer, loss end first")
         lines.append(f"  {'layer':<34} {metric:>9} {'band':>9} {'excess':>8}  class")
         shown = c["layers"] if len(c["layers"]) <= max_layers else c["layers"][:max_layers]
@@ -56,11 +61,12 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
 def render_local(res: dict[str, Any]) -> str:
     """A local-replay score (score/local.py): per module the error born there and its ratio to an
     honest run of the same module, culprits (non-finite births first), the verdict."""
+    w = max([52] + [len(r["module"]) for r in res["modules"]])  # whole names: the layer index is on the left
     lines = [f"local replay {res['local']} ({res['precision']}): error born in each module vs an honest run of the same module",
-             f"  {'module':<52} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
+             f"  {'module':<{w}} {'fwd':>9} {'x':>7} {'bwd':>9} {'x':>7} {'param':>9} {'x':>7} {'inherited':>9}"]  # fmt: skip
     for r in sorted(res["modules"], key=lambda r: -_num(r["ratio"])):
         flag = f"  NON-FINITE born in its {r['born_nonfinite']}" if r.get("born_nonfinite") else ""
-        lines.append(f"  {r['module'][-52:]:<52} {_f(r.get('fwd')):>9} {_f(r.get('ratio_fwd'), '.1f'):>7} {_f(r.get('bwd')):>9} "
+        lines.append(f"  {r['module']:<{w}} {_f(r.get('fwd')):>9} {_f(r.get('ratio_fwd'), '.1f'):>7} {_f(r.get('bwd')):>9} "
                      f"{_f(r.get('ratio_bwd'), '.1f'):>7} {_f(r.get('param')):>9} {_f(r.get('ratio_param'), '.1f'):>7} "
                      f"{_f(r.get('inherited')):>9}{flag}")  # fmt: skip
     lines += ["", "ranked culprits: " + (", ".join(res["culprits"]) or "none"), "verdict: " + res["verdict"]["text"]]

@@ -218,9 +218,11 @@ def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | N
         return None
     rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
     band = margin * plan["tol"]["expected"]
-    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative (captured {captured:.8g}, "
-            f"replayed {replayed:.8g}; band {band:.1e})")  # fmt: skip
-    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": rel > band, "text": text}
+    beyond = rel > band
+    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative" if beyond
+            else f"the loss agrees with the replay within the band: {rel:.2e} relative")  # fmt: skip
+    text += f" (captured {captured:.8g}, replayed {replayed:.8g}; band {band:.1e})"
+    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": beyond, "text": text}
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:

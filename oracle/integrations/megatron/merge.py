@@ -36,7 +36,7 @@ import torch
 
 from ... import recipe as recipes
 from ...bundle.store import Bundle, BundleWriter
-from ...errors import BundleError, MismatchError
+from ...errors import BundleError, MismatchError, UsageError
 from .hfconfig import hf_config as run_hf_config
 from .hfconfig import with_padded_vocab
 from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
@@ -86,7 +86,7 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
     if _one(metas, "cp_size", "CP size") > 1:
         raise BundleError("context-parallel captures (CP > 1) hold a slice of the sequence per rank; they are not merged")
     if dp_rank is not None and not 0 <= dp_rank < dp:
-        raise BundleError(f"--dp-rank {dp_rank} is outside DP size {dp}")
+        raise UsageError(f"--dp-rank {dp_rank} is outside DP size {dp}: choose 0..{dp - 1}")
     if dp_rank is not None and stage == "post-finalize" and dp > 1:
         raise BundleError(f"--dp-rank {dp_rank}: after finalize every DP rank holds the gradient of all {dp} DP ranks' "
                           "batches, so the step is all of them; --dp-rank selects a micro-batch before finalize")  # fmt: skip

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...bundle.store import Bundle
-from ...errors import BundleError
+from ...errors import BundleError, UsageError
 from ...metrics import rel_l2
 from ...precision.mode import PrecisionMode
 from ...replay.run import run_step
@@ -126,9 +126,9 @@ def rank_view(
     meg = oracle.get("megatron")
     tp, sp, stage_ = lay["tp_size"], bool(lay["sequence_parallel"]), lay["stage"]
     if not 0 <= rank < tp:
-        raise BundleError(f"rank {rank} is outside TP size {tp}")
+        raise UsageError(f"--rank {rank} is outside TP size {tp}: choose 0..{tp - 1}")
     if not 0 <= pp_rank < lay["pp_size"]:
-        raise BundleError(f"pipeline stage {pp_rank} is outside PP size {lay['pp_size']}")
+        raise UsageError(f"--pp-rank {pp_rank} is outside PP size {lay['pp_size']}: choose 0..{lay['pp_size'] - 1}")
     heads = Heads.from_config(meg["config"])
     heads.check(tp)
     vocab = meg.get("vocab") or {}
@@ -184,23 +184,33 @@ def compare_rank(view: dict[str, torch.Tensor], rank_bundle: str | Path) -> dict
     return out
 
 
-def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
-    """Per parameter: the truth's norm on this rank, each log's norm, and which log is closer."""
+def log_rows(view: dict[str, torch.Tensor], logs, labels) -> dict[str, Any]:
+    """Per parameter: the truth's norm on this rank (finite elements), each log's norm and its
+    deviation |n_log / n_truth - 1|, and which log is closer; ``wins`` counts them per log."""
     truth = {strip_wrappers(n): float(t[torch.isfinite(t)].norm()) for n, t in view.items()}
-    lines = [f"  {'parameter':<64} {'oracle':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]
-    wins = {lab: 0 for lab in labels}
+    rows, wins = [], {lab: 0 for lab in labels}
     for name in sorted(truth, key=lambda n: (n.count("layers"), n)):
         vals = [next((v for k, v in log.norms.items() if strip_wrappers(k) == name), None) for log in logs]
         if all(v is None for v in vals):
             continue
         devs = {lab: abs(v / truth[name] - 1) for lab, v in zip(labels, vals) if v is not None and truth[name] > 0}
-        best = min(devs, key=devs.get) if devs else "-"
+        best = min(devs, key=devs.get) if devs else None
         if best in wins:
             wins[best] += 1
-        lines.append(f"  {name[-64:]:<64} {truth[name]:>11.5g} " + " ".join(f"{v:>11.5g}" if v is not None else f"{'-':>11}" for v in vals)
-                     + f"  {best}")  # fmt: skip
-    lines.append("closer to the truth: " + ", ".join(f"{k} on {v} parameter(s)" for k, v in wins.items()))
+        rows.append({"name": name, "oracle": truth[name], "logs": dict(zip(labels, vals)), "deviation": devs, "closer": best})
+    return {"labels": list(labels), "params": rows, "wins": wins}
+
+
+def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
+    """Per parameter: the truth's norm on this rank, each log's norm, and which log is closer."""
+    r = log_rows(view, logs, labels)
+    lines = [f"  {'parameter':<64} {'oracle':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]
+    for row in r["params"]:
+        vals = [row["logs"][lab] for lab in labels]
+        lines.append(f"  {row['name'][-64:]:<64} {row['oracle']:>11.5g} " + " ".join(f"{v:>11.5g}" if v is not None else f"{'-':>11}" for v in vals)
+                     + f"  {row['closer'] or '-'}")  # fmt: skip
+    lines.append("closer to the truth: " + ", ".join(f"{k} on {v} parameter(s)" for k, v in r["wins"].items()))
     return "\n".join(lines)
 
 
-__all__ = ["rank_view", "recorded_layout", "compare_rank", "compare_logs"]
+__all__ = ["rank_view", "recorded_layout", "compare_rank", "compare_logs", "log_rows"]

@@ -1,0 +1,232 @@
+"""The four questions of a cross-device comparison, answered in words from the stages' results.
+
+1. bug or honest noise?  per run, its own verdict against the band of its own precision
+   (``score``: excess = rel_l2 / band per layer, beyond when excess > margin);
+2. which run is farther from the truth?  per layer, the run with the larger rel_l2 loses it
+   (``score``'s comparison; a tie or a non-finite layer is won by nobody);
+3. where is it born?  with module boundaries: the local replay's culprit (module, forward or
+   backward: the error born in that module alone against an honest run of the same module).
+   Without: end to end, the first layer beyond noise walking from the loss end (``onset``), and in
+   it the parameter of largest excess (what a module inherits is diluted by the layers between, so
+   the module where it is born stands out most; a streamed oracle's backward order is per unit,
+   so the order inside a layer cannot decide); its owning module is named. The direction
+   end to end: a forward fault changes the loss, so a loss within its band
+   (|L_captured - L_replayed| / |L_replayed| <= margin x expected) and an onset below the loss
+   end read as a backward fault; a loss beyond its band as a forward one.
+   Framework misbehaviour, where the data shows it: a global scale c = <g,t>/<g,g> that explains
+   the error (a loss convention or normalisation mismatch; c close to the loss-token count N or
+   1/N: a sum against a mean), the loss check, and beyond-noise parameters that are all partial
+   sums before finalize (norm weights under SP, q/k layernorm under TP: an unreduced partial sum).
+4. which op class?  ``explain``'s ranking for the culprit (the share of the device's error each op
+   class reproduces, run alone in the capture's format). Without boundaries only the gradient's
+   signature at the onset: a direction within noise (sin angle = sqrt(1 - cos^2) <= margin x band)
+   and a norm off by more than that is a scale, |norm_ratio - 1| > margin x band, which no op's
+   rounding produces: a scaling or reduction op (a loss or gradient scale, a sum counted twice).
+Everything not concluded is said, in ``not_concluded``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..integrations.normlog import kind_of
+
+SCHEMA_VERSION = 1
+_PROJ = re.compile(r"(_proj|linear_fc1|linear_fc2|linear_qkv|linear_proj|qkv|fc1|fc2|proj)$")
+
+
+def module_of(param: str) -> str:
+    """The module a parameter belongs to, one level up from a projection: ``model.layers.1.mlp``
+    for ``model.layers.1.mlp.down_proj.weight``; ``model.norm`` for ``model.norm.weight``."""
+    owner = param.rsplit(".", 1)[0] if param.endswith((".weight", ".bias")) else param
+    parent, _, last = owner.rpartition(".")
+    return parent if parent and _PROJ.search(last) else owner
+
+
+def _param_row(c: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((p for p in c["params"] if p["name"] == name), None)
+
+
+def noise(score: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for c in score["captures"]:
+        v = c["verdict"]
+        honest = v["class"] == "within_noise"
+        rows.append({"run": c["name"], "precision": c["precision"], "class": v["class"], "honest": honest,
+                     "band": c["band_kind"], "excess": v["excess"], "text": v["text"]})  # fmt: skip
+    faulty = [r["run"] for r in rows if not r["honest"]]
+    text = ("; ".join(f"{r['run']}: {'honest noise' if r['honest'] else 'NOT honest noise'} against its own band "
+                      f"({r['band']}, worst {r['excess']:.2f}x)" for r in rows))  # fmt: skip
+    return {"per_run": rows, "faulty": faulty, "text": text}
+
+
+def farther(score: dict[str, Any]) -> dict[str, Any]:
+    cmp = score.get("comparison")
+    if not cmp or not cmp["per_layer"]:
+        return {"run": None, "layers_won": {}, "per_layer": [], "text": "one run only: nothing to compare"}
+    names = list(cmp["layers_won"])
+    n = len(cmp["per_layer"])
+    lost = {nm: sum(1 for r in cmp["per_layer"] if r["closest"] not in (None, nm)) for nm in names}
+    worst = max(lost, key=lost.get)
+    run = worst if list(lost.values()).count(lost[worst]) == 1 else None
+    text = f"{run} is farther from the truth in {lost[run]}/{n} layers" if run else "neither run is farther overall (a tie)"
+    text += " (" + ", ".join(f"{nm} closer in {cmp['layers_won'][nm]}" for nm in names) + ")"
+    return {"run": run, "layers_lost": lost, "layers_won": cmp["layers_won"], "per_layer": cmp["per_layer"], "text": text}
+
+
+def _framework(c: dict[str, Any], margin: float) -> list[str]:
+    out = []
+    gs = c["verdict"].get("global_scale")
+    if gs and gs["explains"]:
+        msg = f"a global scale explains the error: c = {gs['c']:.6g} (after scaling rel L2 {gs['residual_after_scaling']:.2e})"
+        n = (c.get("num_tokens") or 0) or None
+        if n and (abs(gs["c"] / n - 1) < 0.05 or abs(gs["c"] * n - 1) < 0.05):
+            msg += f"; c is about {'N' if gs['c'] > 1 else '1/N'} (N = {n} loss tokens): a summed loss against a mean"
+        out.append("loss convention / normalisation mismatch: " + msg)
+    lc = c.get("loss_check")
+    if lc and lc["beyond"]:
+        out.append(lc["text"])
+    beyond = [p["name"] for p in c["params"] if p["class"] == "beyond_noise"]
+    if beyond and all(kind_of(n)[1] for n in beyond):
+        out.append(f"every parameter beyond noise ({len(beyond)}) is a partial sum before finalize "
+                   f"({', '.join(sorted({kind_of(n)[0] for n in beyond}))}): an unreduced or twice-reduced partial sum")  # fmt: skip
+    return out
+
+
+def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float) -> dict[str, Any]:
+    rows = []
+    for c in score["captures"]:
+        name, v = c["name"], c["verdict"]
+        fw = _framework(c, margin)
+        lv = (local.get(name) or {}).get("verdict")
+        lc = c.get("loss_check")
+        if lv and lv.get("culprit"):
+            rows.append({"run": name, "module": lv["culprit"], "direction": lv["direction"], "source": "local replay",
+                         "evidence": lv["text"], "framework": fw})  # fmt: skip
+            continue
+        on = v.get("onset")
+        if v["class"] == "within_noise" or not on:
+            rows.append({"run": name, "module": None, "direction": None, "source": None, "framework": fw,
+                         "evidence": "nothing to localise: within its noise band" if v["class"] == "within_noise"
+                         else v["text"]})  # fmt: skip
+            continue
+        layer = next(r for r in c["layers"] if r["name"] == on["layer"])
+        module = module_of(layer["worst_param"])
+        at_loss_end = on["layer"] == c["layers"][0]["name"]
+        if lc and lc["beyond"]:
+            direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
+        elif lc and not at_loss_end:
+            direction = "backward"
+            why = (f"the loss agrees with the truth ({lc['rel']:.2e} <= band {lc['band']:.1e}) and the layers "
+                   f"nearer the loss end are within noise")  # fmt: skip
+        else:
+            direction = None
+            why = "no recorded loss to tell forward from backward" if not lc else "the onset is at the loss end"
+        worst = _param_row(c, layer["worst_param"]) or {"excess": math.nan}
+        evidence = (f"end to end: first out of band along the backward at {on['layer']} ({on['excess']:.1f}x its band), "
+                    f"largest there in {layer['worst_param']} ({worst['excess']:.1f}x); {on['stays_out']}/{on['after']} "
+                    f"layers after stay out; {why}")  # fmt: skip
+        if lv:
+            evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
+                         "(a hand-off), which only the end-to-end onset places")  # fmt: skip
+        rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,
+                     "onset_param": layer["worst_param"], "framework": fw})  # fmt: skip
+    parts = []
+    for r in rows:
+        if r["module"]:
+            parts.append(f"{r['run']}: born in {r['module']} ({r['direction'] or 'direction unknown'}; {r['source']})")
+        if r["framework"]:
+            parts.append(f"{r['run']} framework: " + "; ".join(r["framework"]))
+    return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
+
+
+def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_rows: list[dict[str, Any]],
+             margin: float) -> dict[str, Any]:  # fmt: skip
+    rows = []
+    by_name = {c["name"]: c for c in score["captures"]}
+    for b in born_rows:
+        if not b["module"]:
+            continue
+        ex = explained.get(b["run"])
+        if ex:
+            top = ex["classes"][0]
+            rows.append({"run": b["run"], "class": ex["top"] if top["share_only"] >= 0.5 else None, "share": top["share_only"],
+                         "source": "explain", "text": ex["text"]})  # fmt: skip
+            continue
+        c = by_name[b["run"]]
+        p = _param_row(c, b.get("onset_param") or "")
+        if p is None or p.get("cosine") is None:
+            rows.append({"run": b["run"], "class": None, "share": None, "source": None,
+                         "text": "not determined: no module boundaries were captured (explain needs them)"})  # fmt: skip
+            continue
+        sin = math.sqrt(max(0.0, 1.0 - min(1.0, p["cosine"]) ** 2))
+        off = abs(p["norm_ratio"] - 1.0)
+        limit = margin * p["band"]
+        if sin <= limit < off:
+            rows.append({"run": b["run"], "class": "scaling", "share": None, "source": "gradient signature",
+                         "text": f"a scale, not rounding: {p['name']} is {p['norm_ratio']:.6g}x the truth's gradient with "
+                                 f"its direction within noise (cosine {p['cosine']:.9f}); no op's rounding scales a gradient: "
+                                 "a scaling or reduction op (a loss or gradient scale, a sum counted twice); the op-level "
+                                 "attribution (explain) needs module boundaries"})  # fmt: skip
+        else:
+            rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature",
+                         "text": f"not a plain scale ({p['name']}: cosine {p['cosine']:.6f}, norm ratio {p['norm_ratio']:.6g}); "
+                                 "which op class needs module boundaries (capture --modules, then explain)"})  # fmt: skip
+    return {
+        "per_run": rows,
+        "text": "; ".join(f"{r['run']}: {r['class'] or 'undetermined'}" for r in rows) or "no error to explain",
+    }
+
+
+def not_concluded(score, local, runs, logs) -> list[str]:
+    out = []
+    for r in runs:
+        if not r["modules"]:
+            out.append(f"{r['name']}: no module boundaries were captured, so where the error is born is read end to end "
+                       "(onset along the backward), not from a local replay, and the op class from the gradient's signature "
+                       "only; capture with --modules for both")  # fmt: skip
+    for c in score["captures"]:
+        if c.get("unverified"):
+            out.append(f"{c['name']}: same step not verified for its {' and '.join(c['unverified'])}")
+    if score["oracle"].get("warning"):
+        out.append("oracle: " + score["oracle"]["warning"])
+    if not logs:
+        out.append("no grad-norm logs given: the runs' own printed norms were not checked against the truth")
+    out.append(
+        "the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
+        f"(the margin, {score['margin']:g}x, covers those)"
+    )
+    return out
+
+
+def headline(noise_a: dict, born_a: dict, ops: dict) -> str:
+    faulty = noise_a["faulty"]
+    if not faulty:
+        return "answer: both runs are honest noise of their own precision; no bug is shown by this step"
+    parts = []
+    for run in faulty:
+        b = next((r for r in born_a["per_run"] if r["run"] == run), {})
+        o = next((r for r in ops["per_run"] if r["run"] == run), {})
+        where = f"born in {b['module']} ({b.get('direction') or 'direction unknown'})" if b.get("module") else "not localised"
+        parts.append(f"{run} is faulty (beyond its own noise band); {where}; op class: {o.get('class') or 'undetermined'}")
+    return "answer: " + "; ".join(parts)
+
+
+def build(
+    score: dict[str, Any], runs: list[dict[str, Any]], *, local: dict, explained: dict, logs: dict | None
+) -> dict[str, Any]:
+    m = score["margin"]
+    for c in score["captures"]:  # the loss-token count, for the convention check
+        run = next(r for r in runs if r["name"] == c["name"])
+        c.setdefault("num_tokens", run.get("num_tokens"))
+    a1, a2 = noise(score), farther(score)
+    a3 = born(score, local, m)
+    a4 = op_class(score, explained, a3["per_run"], m)
+    return {
+        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4), "runs": runs,
+        "answers": {"noise": a1, "farther": a2, "born": a3, "op_class": a4},
+        "not_concluded": not_concluded(score, local, runs, logs), "logs": logs,
+        "score": score, "local": local, "explain": explained,
+    }  # fmt: skip

@@ -1,0 +1,434 @@
+"""``oracle judge``: from two runs' capture folders (and their grad-norm logs) to one report.
+
+Stages, each reused when its inputs are unchanged (``stages.py``):
+    merge-A, merge-B   Megatron/MindSpeed rank folders merged (``integrations/megatron/merge.py``);
+                       a single capture bundle is used as it is
+    (same step)        B's inputs and weights against A's (value_sha256 of every tensor), before any
+                       replay: another step is refused (exit 5), as ``oracle score`` refuses it
+    truth              A replayed once in float64 (streamed within --max-memory, resumable)
+    band-PREC          an emulated ensemble of each distinct capture precision (each run's own band)
+    score              both runs against the truth, each with the band of its own precision
+    local-X, explain-X where run X recorded module boundaries: its local replay, scored, and
+                       ``explain`` of its top culprit
+    logs               the truth's rank view (Megatron captures) against the runs' grad-norm logs
+    report             the four answers (``answers.py``) as text, JSON and HTML (``report/judge.py``)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..bundle.store import Bundle
+from ..errors import InputNotFound, OracleError, UsageError
+from ..precision import CAPTURE_NAMES
+from ..report.judge import write_judge_report
+from ..score.scorer import check_same_step
+from . import answers as answers_mod
+from .stages import Progress, Stages, fingerprint
+
+ENSEMBLE = 4
+
+
+class StageFailed(OracleError):
+    """A stage run as a subprocess (``--nproc``) failed; it exits with that subprocess's code."""
+
+    def __init__(self, msg: str, code: int):
+        super().__init__(msg)
+        self.exit_code = code
+
+
+def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
+    """("capture", bundle) for a capture bundle, ("ranks", folder) for Megatron rank bundles."""
+    p = Path(path)
+    if not p.exists():
+        raise InputNotFound(f"run {label}: {p} does not exist")
+    if (p / "manifest.json").is_file():
+        b = Bundle(p)
+        if (b.get("megatron") or {}).get("coords") is not None:
+            return "ranks", p
+        return "capture", p
+    if not p.is_dir():
+        raise UsageError(f"run {label}: {p} is neither a capture bundle nor a folder of rank bundles")
+    subs = sorted(d for d in p.iterdir() if d.is_dir())
+    if any((d / "manifest.json").is_file() for d in subs):
+        return "ranks", p
+    nested = [d.name for d in subs if any((e / "manifest.json").is_file() for e in d.iterdir() if e.is_dir())]
+    if nested:
+        raise UsageError(f"run {label}: {p} holds several capture folders ({', '.join(nested)}); give one of them, "
+                         f"e.g. {p / nested[0]}")  # fmt: skip
+    raise UsageError(f"run {label}: {p} holds no capture bundle (manifest.json) and no rank bundles")
+
+
+def run_names(paths: list[Path], names: list[str] | None) -> list[str]:
+    if names:
+        if len(names) != 2 or names[0] == names[1]:
+            raise UsageError("give two distinct --name values, one per run")
+        return list(names)
+    for level in range(3):
+        got = [p.resolve().parents[level - 1].name if level else p.resolve().name for p in paths]
+        if got[0] != got[1] and all(got) and not any(g in ("pre", "post") for g in got):
+            return got
+    return ["A", "B"]
+
+
+def _size(b: float) -> str:
+    return next(f"{b / 2**k:.2f} {u}" for k, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if b >= 2**k or k == 0)
+
+
+def _replay_cmd(cap: Path, out: Path, dtype: str, ensemble: int, budget: str | None, nproc: int, threads: int | None,
+                local: bool = False, members: int = 2) -> list[str]:  # fmt: skip
+    cmd = [sys.executable, "-m", "oracle", "replay", str(cap), "--out", str(out), "--overwrite", "--nproc", str(nproc)]
+    if local:
+        cmd += ["--local", "--members", str(members)]
+    else:
+        cmd += ["--dtype", dtype] + (["--ensemble", str(ensemble)] if ensemble > 1 else [])
+        cmd += ["--max-memory", budget] if budget else []
+    return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def _subprocess(cmd: list[str], what: str, echo: Callable[[str], None]) -> None:
+    """Run a replay stage as ``oracle replay --nproc``; its stdout goes to the progress stream (the
+    judge's stdout is the report), its stderr (progress bars, errors) passes through."""
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    for line in res.stdout.splitlines():
+        echo(f"  {line}")
+    rc = res.returncode
+    if rc:
+        raise StageFailed(f"{what} stopped (exit {rc}): {' '.join(cmd)}; rerun `oracle judge` to resume", rc)
+
+
+def replayable(caps: list[Bundle]) -> int:
+    """Which run the truth is replayed from: A, unless A holds no inputs and B does."""
+    return 1 if not caps[0].names("inputs") and caps[1].names("inputs") else 0
+
+
+class Judge:
+    def __init__(self, run_a: str | Path, run_b: str | Path, *, out: str | Path, recipe: str | None = None,
+                 names: list[str] | None = None, logs: list[str | Path] = (), max_memory: str | None = None,
+                 ensemble: int = ENSEMBLE, members: int = 2, margin: float = 3.0, nproc: int = 1, threads: int | None = None,
+                 dp_rank: int | None = None, echo: Callable[[str], None] | None = None):  # fmt: skip
+        self.inputs = [resolve_run(run_a, "A"), resolve_run(run_b, "B")]
+        self.names = run_names([p for _, p in self.inputs], names)
+        if logs and len(logs) != 2:
+            raise UsageError(f"give two --log files, one per run (got {len(logs)})")
+        for lg in logs:
+            if not Path(lg).is_file():
+                raise InputNotFound(f"log {lg} does not exist")
+        if any(k == "ranks" for k, _ in self.inputs) and not recipe:
+            raise UsageError("rank folders are merged through a recipe's names: give --recipe (qwen3 or qwen3-vl)")
+        self.out, self.recipe, self.logs = Path(out), recipe, [Path(lg) for lg in logs]
+        self.max_memory, self.ensemble, self.members, self.margin = max_memory, ensemble, members, margin
+        self.nproc, self.threads, self.dp_rank, self.echo = nproc, threads, dp_rank, echo
+        from ..replay.streaming.engine import parse_size
+
+        self.budget = parse_size(max_memory) if max_memory else None
+
+    def _echo(self, s: str) -> None:
+        (self.echo or (lambda x: print(x, file=sys.stderr, flush=True)))(s)
+
+    # -- stage bodies ------------------------------------------------------------------------
+    def _merge(self, kind: str, path: Path, out: Path, overwrite: bool) -> Path:
+        if kind == "capture":
+            return path
+        from ..integrations.megatron.merge import merge_ranks
+
+        return merge_ranks([path], out, recipe=self.recipe, dp_rank=self.dp_rank, overwrite=overwrite)
+
+    def _replay(self, cap: Path, out: Path, overwrite: bool, dtype: str, ensemble: int = 1) -> None:
+        tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
+        if self.nproc > 1 and tp_ok:
+            _subprocess(
+                _replay_cmd(cap, out, dtype, ensemble, self.max_memory, self.nproc, self.threads), f"replay {dtype}", self._echo
+            )
+            return
+        from ..replay.run import replay
+
+        replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
+               verify="auto" if self.budget is None else "off")  # fmt: skip
+
+    def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
+        if self.nproc > 1:
+            _subprocess(_replay_cmd(cap, out, "fp64", 1, None, self.nproc, self.threads, local=True, members=self.members),
+                        "local replay", self._echo)  # fmt: skip
+            return
+        from ..replay.local import replay_local
+
+        replay_local(cap, out, members=self.members, overwrite=overwrite, progress=True)
+
+    # -- the plan ----------------------------------------------------------------------------
+    def has_modules(self) -> list[bool]:
+        """Megatron rank captures record no module boundaries; a capture bundle says."""
+        return [k == "capture" and bool(Bundle(p).get("modules")) for k, p in self.inputs]
+
+    def stage_names(self, precisions: list[str]) -> list[str]:
+        names = [f"merge-{n}" for (k, _), n in zip(self.inputs, self.names) if k == "ranks"] + ["truth"]
+        names += [f"band-{p}" for p in precisions] + ["score"]
+        for mods, n in zip(self.has_modules(), self.names):
+            if mods:
+                names += [f"local-{n}", f"local-score-{n}", f"explain-{n}"]
+        names += (["logs"] if self.logs else []) + ["report"]
+        return names
+
+    @staticmethod
+    def precisions(caps: list[Bundle]) -> list[str]:
+        out = []
+        for c in caps:
+            p = c.get("precision") or "fp32"
+            if p in CAPTURE_NAMES and p not in out:
+                out.append(p)
+        return out
+
+    def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
+        """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner."""
+        from ..replay.streaming.plan import plan
+
+        est: dict[str, dict[str, float]] = {}
+        for (k, p), n in zip(self.inputs, self.names):
+            if k == "ranks":
+                size = sum(f.stat().st_size for f in p.rglob("*.safetensors"))
+                est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
+        base = plan(caps[replayable(caps)], "fp64", streamed=self.budget is not None, budget=self.budget)
+        disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
+        est["truth"] = {"seconds": base["estimated_seconds"], "flops": base["total_flops"],
+                        "memory": base["memory"]["peak_estimate"], "disk": disk(base)}  # fmt: skip
+        for prec in self.precisions(caps):
+            q = plan(caps[replayable(caps)], prec, streamed=self.budget is not None, budget=self.budget)
+            est[f"band-{prec}"] = {"seconds": q["estimated_seconds"] * self.ensemble, "flops": q["total_flops"] * self.ensemble,
+                                   "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
+        grads = base["disk"]["gradients"]
+        est["score"] = {
+            "seconds": 3 * grads / 500e6,
+            "flops": 0,
+            "memory": base["memory"].get("fixed", base["memory"].get("fixed_without_process", 0)),
+            "disk": 0,
+        }
+        for c, n in zip(caps, self.names):
+            if c.get("modules"):  # each module once in fp64, ``members`` times emulated, its device run
+                f = base["total_flops"] * (2 + self.members) / 4
+                est[f"local-{n}"] = {"seconds": f / base["gemm_flops_per_s"] / 0.3, "flops": f,
+                                     "memory": base["memory"]["peak_estimate"], "disk": grads}  # fmt: skip
+                est[f"local-score-{n}"] = {"seconds": 1, "flops": 0, "memory": 0, "disk": 0}
+                # explain: one module, 2 runs per op class (10 classes) + 2, in float64
+                est[f"explain-{n}"] = {"seconds": 22 * base["estimated_seconds"] / max(base["units"], 1) / 4,
+                                       "flops": 0, "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
+        if self.logs:
+            est["logs"] = {
+                "seconds": base["estimated_seconds"] / 4,
+                "flops": 0,
+                "memory": base["memory"]["peak_estimate"],
+                "disk": 0,
+            }
+        est["report"] = {"seconds": 2, "flops": 0, "memory": 0, "disk": 1 << 20}
+        return est
+
+    def dry_run(self) -> str:
+        with tempfile.TemporaryDirectory(prefix=".oracle-judge-dry-") as tmp:
+            caps = [Bundle(self._merge(k, p, Path(tmp) / n, False)) for (k, p), n in zip(self.inputs, self.names)]
+            src = replayable(caps)
+            check_same_step(caps[src], caps[1 - src], self.names[1 - src])
+            est = self.estimates(caps)
+            order = self.stage_names(self.precisions(caps))
+        lines = [f"dry run: oracle judge {self.names[0]} vs {self.names[1]}: {len(order)} stages"
+                 + (f", streamed within --max-memory {self.max_memory}" if self.max_memory else "")
+                 + (f", --nproc {self.nproc}" if self.nproc > 1 else ""),
+                 f"  {'stage':<24} {'time':>10} {'GFLOP':>10} {'peak memory':>12} {'disk':>10}"]  # fmt: skip
+        for s in order:
+            e = est.get(s, {"seconds": 0, "flops": 0, "memory": 0, "disk": 0})
+            t = f"{e['seconds'] / 60:.1f} min" if e["seconds"] >= 60 else f"{e['seconds']:.0f} s"
+            lines.append(f"  {s:<24} {t:>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
+        tot = sum(e["seconds"] for e in est.values())
+        lines.append(f"  total about {tot / 60:.1f} min here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
+                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe of this machine)")  # fmt: skip
+        return "\n".join(lines)
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from ..errors import OutputError
+
+            raise OutputError(f"cannot create the work folder {self.out}: {e.strerror or e}") from None
+        probe = self.out / f".write-test-{os.getpid()}"
+        try:
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            from ..errors import OutputError
+
+            raise OutputError(f"cannot write into the work folder {self.out}: {e.strerror or e}") from None
+        # the bands' precisions are known before merging: a merge keeps its ranks' precision
+        precs = []
+        for k, p in self.inputs:
+            b = (
+                Bundle(p)
+                if k == "capture"
+                else Bundle(next(iter(sorted(x for x in p.iterdir() if (x / "manifest.json").is_file())), p))
+            )
+            precs.append(b)
+        order = self.stage_names(self.precisions(precs))
+        progress = Progress(len(order), echo=self.echo)
+        st = Stages(self.out, progress)
+        caps_p = []
+        for (k, p), n in zip(self.inputs, self.names):
+            if k == "ranks":
+                caps_p.append(st.bundle(f"merge-{n}", f"merge the rank bundles of {p}",
+                                        {"recipe": self.recipe, "dp_rank": self.dp_rank}, [p],
+                                        lambda out, ow, k=k, p=p: self._merge(k, p, out, ow)))  # fmt: skip
+            else:
+                caps_p.append(p)
+        caps = [Bundle(p) for p in caps_p]
+        src = replayable(caps)  # the run whose capture holds the inputs (an msprobe import holds none)
+        check_same_step(caps[src], caps[1 - src], self.names[1 - src])  # before any replay: exit 5 on another step
+        if self.stage_names(self.precisions(caps)) != order:
+            order = self.stage_names(self.precisions(caps))
+            progress.total = len(order)
+        progress.estimates = self.estimates(caps)
+        progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
+        budget = {"max_memory": self.budget}
+        truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),
+                          {**budget, "threads": self.threads, "nproc": self.nproc}, [caps_p[src]],
+                          lambda out, ow: self._replay(caps_p[src], out, ow, "fp64"))  # fmt: skip
+        bands = []
+        for prec in self.precisions(caps):
+            bands.append(st.bundle(f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
+                                   {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc},
+                                   [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
+        from ..score.scorer import score as do_score
+
+        result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin},
+                             [truth, *caps_p, *bands],
+                             lambda: do_score(truth, caps_p, band_paths=bands, margin=self.margin, names=self.names))  # fmt: skip
+        local, explained = {}, {}
+        for c, cp, n in zip(caps, caps_p, self.names):
+            if not c.get("modules"):
+                continue
+            lb = st.bundle(f"local-{n}", f"replay {n}'s recorded modules alone", {"members": self.members, "nproc": self.nproc},
+                           [cp], lambda out, ow, cp=cp: self._local(cp, out, ow))  # fmt: skip
+            from ..score.local import score_local
+
+            local[n] = st.document(f"local-score-{n}", f"score {n}'s local replay", {"margin": self.margin}, [lb],
+                                   lambda lb=lb: score_local(lb, margin=self.margin))  # fmt: skip
+            culprit = local[n]["verdict"].get("culprit")
+            if culprit:
+                explained[n] = st.document(f"explain-{n}", f"which op class explains {culprit}", {"module": culprit}, [cp],
+                                           lambda cp=cp, culprit=culprit: explain_culprit(cp, culprit))  # fmt: skip
+            else:
+                progress.skip(f"explain-{n}", "no module beyond its band: nothing to explain")
+        logs = None
+        if self.logs:
+            logs = st.document("logs", "the truth's rank view against the runs' grad-norm logs", {"names": self.names},
+                               [truth, *self.logs], lambda: logs_against_truth(truth, self.logs, self.names))  # fmt: skip
+        runs = []
+        for (k, p), cp, c, n in zip(self.inputs, caps_p, caps, self.names):
+            runs.append({"name": n, "input": str(p), "input_kind": "megatron rank folder" if k == "ranks" else "capture bundle",
+                         "capture": str(cp), "precision": c.get("precision"), "modules": bool(c.get("modules")),
+                         "num_tokens": (c.get("loss") or {}).get("num_tokens"), "fingerprint": fingerprint(cp)})  # fmt: skip
+        t0 = progress.start("report", "write the report (text, JSON, HTML)")
+        doc = answers_mod.build(result, runs, local=local, explained=explained, logs=logs)
+        doc["stages"] = order
+        doc["report_files"] = write_judge_report(doc, self.out / "report")
+        progress.end("report", t0, reused=False)
+        return doc
+
+
+def explain_culprit(capture: Path, module: str) -> dict[str, Any]:
+    """``explain`` in the capture's own format; where no class explains most (>= 50 %) of the error
+    and the capture is held wider than bf16, again with the classes in bf16 (an op run in a lower
+    precision than the capture's: the commonest wrong choice), keeping the better-explained one."""
+    from ..score.explain import explain
+
+    first = explain(capture, module)
+    if first["classes"][0]["share_only"] >= 0.5 or first["format"] in ("bf16", "fp16"):
+        return first
+    low = explain(capture, module, fmt="bf16")
+    return low if low["classes"][0]["share_only"] > first["classes"][0]["share_only"] else first
+
+
+def logs_against_truth(truth: Path, logs: list[Path], names: list[str]) -> dict[str, Any]:
+    """Each log's printed norms against the truth: on the rank the log was printed on (the rank view
+    of a Megatron oracle, TP rank 0 / stage 0), else the merged parameters."""
+    from ..integrations import normlog
+    from ..integrations.megatron.rankview import log_rows, rank_view
+
+    parsed = [normlog.parse(p) for p in logs]
+    b = Bundle(truth)
+    if b.get("megatron"):
+        view = rank_view(truth, rank=0)
+        where = "TP rank 0, stage 0 (the rank view of the truth)"
+    else:
+        view = {n: t for n, t in b.iter_group("grads")}
+        where = "the whole parameters"
+    rows = log_rows(view, parsed, names)
+    rows["where"] = where
+    rows["compare"] = normlog.compare(parsed[0], parsed[1], tuple(names))
+    return rows
+
+
+CAPTURE_COMMANDS = """\
+On each cluster, in the training script, capture the same step (same weights and batch: pin the seed and
+the data order) right after the last backward and before finalize_model_grads, the point the norms were
+printed at:
+
+    from oracle.integrations.megatron.hook import capture_rank
+    capture_rank(model, CAPTURE_DIR, stage="pre-finalize", batch=batch, loss=loss, num_tokens=n_tokens,
+                 vocab_size=tokenizer.vocab_size, packed_seq_params=packed_seq_params)
+
+  {a} (Megatron-LM core / ms-swift):  CAPTURE_DIR = "{da}/pre"; run the step as usual (torchrun)
+  {b} (MindSpeed):                    CAPTURE_DIR = "{db}/pre"; the same call in MindSpeed's step
+Copy both folders to one CPU host, then:
+
+    oracle judge {da}/pre {db}/pre --recipe qwen3-vl --name {a} --name {b} --out judge/ --max-memory 48G \\
+        --log-a {log_a} --log-b {log_b}
+
+Outside Megatron, with the tool's own capture (one sample, with module boundaries for the local replay):
+
+    oracle capture --out {da}.bundle --model DIR --sample train.jsonl --index 0 --device cuda --precision bf16 --modules all
+    oracle capture --out {db}.bundle --model DIR --sample train.jsonl --index 0 --device npu --precision bf16 --modules all
+    oracle judge {da}.bundle {db}.bundle --name {a} --name {b} --out judge/
+"""
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name.lower()) or "run"
+
+
+def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | None) -> dict[str, Any]:
+    """The logs alone (no capture): what they show, what they cannot, and how to capture."""
+    from ..integrations import normlog
+
+    for lg in (log_a, log_b):
+        if not Path(lg).is_file():
+            raise InputNotFound(f"log {lg} does not exist")
+    labels = tuple(names) if names else (Path(log_a).stem, Path(log_b).stem)
+    if len(labels) != 2 or labels[0] == labels[1]:
+        raise UsageError("give two distinct --name values, one per log")
+    cmp = normlog.compare(normlog.parse(log_a), normlog.parse(log_b), labels)
+    shows = [ln for ln in cmp["summary"].splitlines() if not ln.startswith("What this cannot tell")]
+    cannot = [
+        "which run is right: a norm ratio says the runs disagree, not which one is off the truth",
+        "whether the gap exceeds honest bf16 noise of each run: that needs a noise band of the same step",
+        "where the error is born (module, forward or backward) and which op class explains it: that needs the "
+        "gradients themselves, replayed in float64",
+    ]
+    doc = {"schema_version": answers_mod.SCHEMA_VERSION, "kind": "oracle-judge-logs", "names": list(labels),
+           "shows": shows, "cannot_conclude": cannot,
+           "capture_commands": CAPTURE_COMMANDS.format(a=labels[0], b=labels[1], da=_slug(labels[0]), db=_slug(labels[1]), log_a=log_a, log_b=log_b), "compare": cmp,
+           "compare_text": normlog.render_compare(cmp)}  # fmt: skip
+    if out is not None:
+        from ..bundle.jsonio import write_json
+
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            write_json(doc, Path(out) / "judge.json")
+        except OSError as e:
+            from ..errors import OutputError
+
+            raise OutputError(f"cannot write {out}/judge.json: {e.strerror or e}") from None
+    return doc

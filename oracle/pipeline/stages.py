@@ -1,0 +1,153 @@
+"""The stages of a whole job, each reused when its inputs are unchanged, and one progress display.
+
+A stage writes one output (a bundle folder, or a JSON document) inside the job's work folder and,
+once that output is complete, a key file beside it: ``.NAME.key`` holding the stage key,
+
+    key = sha256(json({stage name, its parameters, the fingerprints of its inputs}))
+
+where an input bundle's fingerprint is the sha256 of its ``manifest.json`` (the manifest lists the
+sha256 of every tensor file, so it changes whenever any stored byte does), a folder of rank bundles
+the sha256 of their manifests in name order, and a log the sha256 of its bytes. A stage whose key
+file matches and whose output is there is reused, not recomputed; otherwise its output is replaced
+(it lies in the job's own work folder). The key file is written after the output, atomically, so a
+job killed inside a stage recomputes that stage, and the streamed replay inside it resumes from its
+own journal (``.OUT.partial``). Timings never enter an output, so a rerun ends with the same report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..bundle.jsonio import dumps, no_duplicate_keys
+from ..errors import OutputError
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 of a bundle's manifest, of a folder's bundle manifests (in name order), or of a file."""
+    p = Path(path)
+    if p.is_file():
+        return file_sha256(p)
+    if (p / "manifest.json").is_file():
+        return file_sha256(p / "manifest.json")
+    h = hashlib.sha256()
+    for m in sorted(p.rglob("manifest.json")):
+        h.update(str(m.relative_to(p)).encode() + b"\0" + file_sha256(m).encode())
+    return h.hexdigest()
+
+
+def stage_key(name: str, params: dict[str, Any], inputs: list[str | Path]) -> str:
+    doc = {"stage": name, "params": params, "inputs": [fingerprint(p) for p in inputs]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+class Progress:
+    """One line per stage start and end: ``[judge 3/8] truth: ... done in 4.1 s (1.2 GFLOP/s); ETA 30 s``.
+
+    ETA is the dry run's estimate of the stages not done yet; GFLOP/s is the stage's planned FLOPs
+    over its wall time (a reused stage has none)."""
+
+    def __init__(self, total: int, estimates: dict[str, dict[str, float]] | None = None,
+                 echo: Callable[[str], None] | None = None):  # fmt: skip
+        self.total, self.done, self.estimates = total, 0, estimates or {}
+        self.echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.left = {k: v.get("seconds", 0.0) for k, v in self.estimates.items()}
+
+    def _eta(self) -> str:
+        s = sum(self.left.values())
+        return f"ETA {s / 60:.1f} min" if s >= 60 else f"ETA {s:.0f} s"
+
+    def start(self, name: str, what: str) -> float:
+        self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({self._eta()})")
+        return time.perf_counter()
+
+    def skip(self, name: str, why: str) -> None:
+        self.done += 1
+        self.left.pop(name, None)
+        self.echo(f"[judge {self.done}/{self.total}] {name}: skipped ({why})")
+
+    def end(self, name: str, t0: float | None, reused: bool) -> None:
+        self.done += 1
+        self.left.pop(name, None)
+        if reused:
+            self.echo(f"[judge {self.done}/{self.total}] {name}: reused (inputs unchanged)")
+            return
+        dt = time.perf_counter() - (t0 or time.perf_counter())
+        flops = self.estimates.get(name, {}).get("flops")
+        rate = f", {flops / dt / 1e9:.2f} GFLOP/s" if flops and dt > 0 else ""
+        self.echo(f"[judge {self.done}/{self.total}] {name}: done in {dt:.1f} s{rate}; {self._eta()}")
+
+
+class Stages:
+    """Run-or-reuse of named stages inside ``work``."""
+
+    def __init__(self, work: Path, progress: Progress):
+        self.work, self.progress = work, progress
+        self.reused: list[str] = []
+
+    def path(self, name: str, suffix: str = "") -> Path:
+        return self.work / f"{name}{suffix}"
+
+    def _key_file(self, out: Path) -> Path:
+        return out.with_name(f".{out.name}.key")
+
+    def bundle(self, name: str, what: str, params: dict[str, Any], inputs: list[str | Path],
+               produce: Callable[[Path, bool], Any]) -> Path:  # fmt: skip
+        """A bundle stage: ``produce(out, overwrite)`` writes the bundle at ``out``."""
+        out = self.path(name)
+        key = stage_key(name, params, inputs)
+        kf = self._key_file(out)
+        if out.is_dir() and kf.is_file() and kf.read_text().strip() == key:
+            self.progress.end(name, None, reused=True)
+            self.reused.append(name)
+            return out
+        t0 = self.progress.start(name, what)
+        kf.unlink(missing_ok=True)
+        produce(out, out.exists())
+        _write_atomic(kf, key + "\n")
+        self.progress.end(name, t0, reused=False)
+        return out
+
+    def document(self, name: str, what: str, params: dict[str, Any], inputs: list[str | Path],
+                 produce: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+        """A JSON stage: ``produce()`` returns the document; stored as ``NAME.json`` with its key."""
+        out = self.path(name, ".json")
+        key = stage_key(name, params, inputs)
+        if out.is_file():
+            try:
+                doc = json.loads(out.read_text(), object_pairs_hook=no_duplicate_keys)
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict) and doc.get("stage_key") == key:
+                self.progress.end(name, None, reused=True)
+                self.reused.append(name)
+                return doc["result"]
+        t0 = self.progress.start(name, what)
+        result = produce()
+        _write_atomic(out, dumps({"stage_key": key, "result": result}) + "\n")
+        self.progress.end(name, t0, reused=False)
+        return json.loads(out.read_text())["result"]  # what a reuse returns: the same (JSON-clean) values

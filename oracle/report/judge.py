@@ -1,0 +1,145 @@
+"""``oracle judge``'s report: the four answers in words first, then the tables and the plot.
+
+Writes into the report folder ``judge.txt`` (what the terminal shows), ``judge.json`` (the whole
+document, schema in README "oracle judge: the report's JSON"), ``errors.png`` (``files.plot``:
+rel L2 per layer in backward order against each run's band) and ``index.html`` (self-contained: the
+plot inlined as base64; an in-page hook writes any script error into ``#js-errors`` so a browser
+check can read it from the DOM). Files are written to a temporary sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+from pathlib import Path
+from typing import Any
+
+from ..bundle.jsonio import dumps
+from ..errors import OutputError
+from .files import plot
+from .text import render, render_explain, render_local
+
+QUESTIONS = [
+    ("noise", "1. Bug or honest noise (each run against the band of its own precision)?"),
+    ("farther", "2. Which run is farther from the truth, layer by layer?"),
+    ("born", "3. Where is the error born (module, forward or backward), and does the framework misbehave?"),
+    ("op_class", "4. Which op class explains it?"),
+]
+
+
+def _per_run_lines(key: str, a: dict[str, Any]) -> list[str]:
+    out = []
+    for r in a.get("per_run", []):
+        if key == "noise":
+            out.append(f"   {r['text']}")
+        elif key == "born":
+            where = f"{r['module']} ({r['direction'] or 'direction unknown'})" if r["module"] else "-"
+            out.append(f"   {r['run']}: {where}: {r['evidence']}")
+            out += [f"   {r['run']} framework: {f}" for f in r["framework"]]
+        elif key == "op_class":
+            out.append(f"   {r['run']}: {r['class'] or 'undetermined'} ({r['source'] or 'no evidence'}): {r['text']}")
+    return out
+
+
+def render_judge(doc: dict[str, Any]) -> str:
+    a = doc["answers"]
+    lines = [doc["headline"], ""]
+    for key, q in QUESTIONS:
+        lines.append(q)
+        lines.append(f"   {a[key]['text']}")
+        lines += _per_run_lines(key, a[key])
+    lines += ["", "not concluded:"] + [f"   - {x}" for x in doc["not_concluded"]]
+    lines += ["", "-- evidence --", render(doc["score"], top=8)]
+    for name, loc in (doc.get("local") or {}).items():
+        lines += ["", f"-- {name}: local replay --", render_local(loc)]
+    for name, ex in (doc.get("explain") or {}).items():
+        lines += ["", f"-- {name}: explain --", render_explain(ex)]
+    logs = doc.get("logs")
+    if logs:
+        labels = logs["labels"]
+        lines += ["", f"-- grad-norm logs against the truth ({logs['where']}) --",
+                  f"  {'parameter':<64} {'truth':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]  # fmt: skip
+        for r in logs["params"]:
+            vals = " ".join(f"{r['logs'][lab]:>11.5g}" if r["logs"][lab] is not None else f"{'-':>11}" for lab in labels)
+            lines.append(f"  {r['name'][-64:]:<64} {r['oracle']:>11.5g} {vals}  {r['closer'] or '-'}")
+        lines.append("  closer to the truth: " + ", ".join(f"{k} on {v} parameter(s)" for k, v in logs["wins"].items()))
+    return "\n".join(lines)
+
+
+def render_logs_only(doc: dict[str, Any]) -> str:
+    lines = [f"from the logs alone ({doc['names'][0]} vs {doc['names'][1]}, no capture):", "", "what they show:"]
+    lines += [f"   {s}" for s in doc["shows"]]
+    lines += ["", "what cannot be concluded without a capture:"] + [f"   - {s}" for s in doc["cannot_conclude"]]
+    lines += ["", "capture the step on both clusters:", doc["capture_commands"], "-- the logs side by side --",
+              doc["compare_text"]]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _html(doc: dict[str, Any], png: str) -> str:
+    e = html.escape
+    a = doc["answers"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>oracle judge</title>",
+        "<script>window.__errors=[];window.addEventListener('error',function(ev){window.__errors.push(String(ev.message));"
+        "var d=document.getElementById('js-errors');if(d){d.textContent=window.__errors.join('\\n');}});</script>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child{text-align:left}"
+        ".beyond_noise{background:#fdd}.non_finite{background:#f99}.within_noise{background:#efe}"
+        ".headline{font-size:1.2em;font-weight:bold;padding:.5em;background:#fff4d6}pre{background:#f6f6f6;padding:1em}</style>",
+        "</head><body><h1>oracle judge: two runs against the float64 truth</h1>",
+        f"<p class='headline' id='headline'>{e(doc['headline'])}</p>",
+        "<h2>The four questions</h2><ol id='answers'>",
+    ]
+    for key, q in QUESTIONS:
+        sub = "".join(f"<li>{e(x.strip())}</li>" for x in _per_run_lines(key, a[key]))
+        parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b><br>{e(a[key]['text'])}<ul>{sub}</ul></li>")
+    parts.append("</ol><h2>Not concluded</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in doc["not_concluded"]) + "</ul>")
+    parts.append(
+        "<h2>Verdicts</h2><table id='verdicts'><tr><th>run</th><th>precision</th><th>band</th><th>class</th><th>verdict</th></tr>"
+    )
+    for r in a["noise"]["per_run"]:
+        parts.append(f"<tr class='{r['class']}'><td>{e(r['run'])}</td><td>{e(r['precision'])}</td><td>{e(r['band'])}</td>"
+                     f"<td>{r['class']}</td><td style='text-align:left'>{e(r['text'])}</td></tr>")  # fmt: skip
+    parts.append("</table>")
+    parts.append(f"<h2>Error per layer</h2><img id='plot' alt='relative error per layer' src='data:image/png;base64,{png}' "
+                 "style='max-width:100%'>")  # fmt: skip
+    for c in doc["score"]["captures"]:
+        metric = "norm_dev" if c["norms_only"] else "rel_l2"
+        parts.append(f"<h3>{e(c['name'])} ({e(c['precision'])}), per layer, loss end first</h3>")
+        parts.append(
+            f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"
+        )
+        for r in c["layers"]:
+            parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
+                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
+        parts.append("</table>")
+    parts.append(f"<h2>Full text</h2><pre>{e(render_judge(doc))}</pre>")
+    parts.append("<p>Files: <a href='judge.json'>judge.json</a>, <a href='judge.txt'>judge.txt</a>, "
+                 "<a href='errors.png'>errors.png</a></p><pre id='js-errors'></pre></body></html>")  # fmt: skip
+    return "\n".join(parts)
+
+
+def _put(path: Path, data: str | bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    (tmp.write_bytes if isinstance(data, bytes) else tmp.write_text)(data)
+    os.replace(tmp, path)
+
+
+def write_judge_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_png = out / f".errors.png.tmp-{os.getpid()}.png"
+        plot(doc["score"], tmp_png)
+        os.replace(tmp_png, out / "errors.png")
+        files = {"text": str(out / "judge.txt"), "json": str(out / "judge.json"), "html": str(out / "index.html"),
+                 "plot": str(out / "errors.png")}  # fmt: skip
+        doc = {**doc, "report_files": files}
+        _put(out / "judge.txt", render_judge(doc) + "\n")
+        _put(out / "judge.json", dumps(doc) + "\n")
+        png = base64.b64encode((out / "errors.png").read_bytes()).decode()
+        _put(out / "index.html", _html(doc, png))
+    except OSError as e:
+        raise OutputError(f"cannot write the report {out}: {e.strerror or e}") from None
+    return files
