@@ -13,6 +13,12 @@ Per parameter p of capture c (formulas in metrics.py):
                  without a band: the tolerance table's ``expected`` for c's precision
     excess(p)  = e(p) / band(p)
     class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
+Coverage: which of the oracle's M gradients the capture holds (N), which it lacks, and which it holds
+that the oracle does not (extra, not scored). A capture that is not a norm log and lacks any
+gradient is ``incomplete`` whatever the part checked says (that part's class is ``checked_class``);
+one with nothing in common is ``incomplete`` too (a norm log included). Norm logs print what they
+print: they state their coverage and are judged on it. A non-finite oracle cannot judge anything:
+every verdict is ``oracle_non_finite``.
 Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
 over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
 
@@ -48,6 +54,8 @@ from .layers import group as group_layers
 from .tolerance import MARGIN, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
+INCOMPLETE, ORACLE_NONFINITE = "incomplete", "oracle_non_finite"
+SHOWN = 5  # missing / extra names spelled out in a verdict line (all of them are in the JSON)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -189,6 +197,8 @@ def score(
         c["loss_check"] = _loss_check(plan, oracle, margin)
         if c["loss_check"] and c["loss_check"]["beyond"]:
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
+        c["coverage"] = _coverage(plan, pnames)
+        _judge_coverage(c, oracle_nonfinite)
     out = {
         "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
@@ -199,6 +209,50 @@ def score(
     }
     out["summary"] = _summary(out)
     return out
+
+
+def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
+    """What the capture holds of the oracle's gradients (in the oracle's order) and beyond them."""
+    c: Bundle = plan["bundle"]
+    held = list(plan["norms"]) if plan["norms"] is not None else c.names("grads")
+    known = set(pnames)
+    missing = [p for p in pnames if p not in plan["rows"]]
+    extra = sorted(n for n in held if n not in known)
+    return {"oracle": len(pnames), "covered": len(pnames) - len(missing), "missing": missing, "extra": extra,
+            "norms_only": plan["norms"] is not None}  # fmt: skip
+
+
+def _names(names: list[str]) -> str:
+    more = f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
+    """Put coverage into the verdict: ``incomplete`` when gradients are missing (norm logs: only when
+    nothing is in common), ``oracle_non_finite`` when the truth itself is not finite. The class of
+    the part that was checked stays in ``checked_class``."""
+    v, cov = c["verdict"], c["coverage"]
+    v["checked_class"] = v["class"]
+    what = "gradient norms" if cov["norms_only"] else "gradients"
+    line = f"covers {cov['covered']} of the oracle's {cov['oracle']} {what}"
+    if cov["missing"]:
+        line += f"; missing {len(cov['missing'])}: {_names(cov['missing'])}"
+    if cov["extra"]:
+        line += f"; {len(cov['extra'])} not in the oracle (not scored): {_names(cov['extra'])}"
+    cov["text"] = line
+    head = f"{c['name']} ({c['precision']}): "
+    checked = v["text"].removeprefix(head) if cov["covered"] else "nothing was checked"
+    if oracle_nonfinite:
+        v["class"] = ORACLE_NONFINITE
+        v["text"] = (f"{head}CANNOT JUDGE: the oracle's own gradients are non-finite in {len(oracle_nonfinite)} "
+                     f"parameter(s) ({_names(oracle_nonfinite)}); the step overflows even in float64; against it: {checked}")  # fmt: skip
+        if cov["missing"] or cov["extra"]:
+            v["text"] += f" [{line}]"
+    elif cov["covered"] == 0 or (cov["missing"] and not cov["norms_only"]):
+        v["class"] = INCOMPLETE
+        v["text"] = f"{head}INCOMPLETE: {line}; of what it covers: {checked}"
+    elif cov["missing"] or cov["extra"] or cov["norms_only"]:
+        v["text"] += f" [{line}]"
 
 
 def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
