@@ -10,7 +10,7 @@ this truth would be meaningless, so it is refused (MismatchError) with the diffe
 Per parameter p of capture c (formulas in metrics.py):
     e(p)       = rel_l2 = ||g - t|| / ||t||          (norm-only captures: e = |norm_ratio - 1|)
     band(p)    = max(max_k e_k(p), floor)            e_k = the same metric for emulated member k;
-                 without a band: the tolerance table's ``expected`` for c's precision
+                 without a band: max(expected, floor) of the tolerance table for c's precision
     excess(p)  = e(p) / band(p)
     class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
 Coverage: which of the oracle's M gradients the capture holds (N), which it lacks, and which it holds
@@ -51,7 +51,7 @@ from ..errors import BundleError, MismatchError, UsageError
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .layers import group as group_layers
-from .tolerance import MARGIN, table
+from .tolerance import MARGIN, check_margin, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
 INCOMPLETE, ORACLE_NONFINITE = "incomplete", "oracle_non_finite"
@@ -137,6 +137,7 @@ def score(
 ) -> dict[str, Any]:
     """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
     refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
+    margin = check_margin(margin)
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
         raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
@@ -301,7 +302,7 @@ def _classify(err: float, band: float, nonfinite: int, margin: float) -> tuple[f
 def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict[str, float]) -> float:
     if member_rows:
         return max(max(_metric(r, norms_only) for r in member_rows), tol["floor"])
-    return tol["expected"]
+    return max(tol["expected"], tol["floor"])  # a --tol floor holds without a band too
 
 
 def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, int]) -> dict[str, Any]:
@@ -339,7 +340,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             err = agg["rel_l2"]
             k_members = len(band_rows.get(present[0], []))
             members = [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
-        band = max(max(members), tol["floor"]) if members else tol["expected"]
+        band = max(max(members), tol["floor"]) if members else max(tol["expected"], tol["floor"])
         band_low = min(members) if members else band
         excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
         worst = max(present, key=lambda p: by_name[p]["excess"])

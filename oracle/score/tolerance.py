@@ -5,7 +5,8 @@ fallback when no emulated run of the step exists, and supplies two constants the
 
     expected  -- relative L2 gradient error an honest run of that precision reaches (the reasoning
                  for each entry is in precision.py, next to the entry);
-    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``);
+    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``), with a measured
+                 band or without one (then the band is max(expected, floor));
     margin    -- error / band_upper above which a parameter or layer is ``beyond_noise``. The band
                  upper is the max over K emulated members; an honest run lands within ~1.5x of it
                  (measured: real autocast vs emulated bf16 median ratio 0.9), so 3x leaves room
@@ -17,11 +18,21 @@ amp-bf16:expected=0.03``, ``--margin 3``).
 
 from __future__ import annotations
 
+import math
+
 from ..errors import UsageError
 from ..precision import TABLE, UNKNOWN
 
 MARGIN = 3.0
 FIELDS = ("expected", "floor")
+
+
+def check_margin(margin: float) -> float:
+    """``--margin`` is a finite factor >= 1: below 1 an honest run at its band is beyond noise, and an
+    infinite margin (or NaN, which compares false) would pass every fault, however large."""
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
+        raise UsageError(f"--margin {margin!r}: expected a finite factor >= 1 (the default is {MARGIN:g})")
+    return float(margin)
 
 
 def table(overrides: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -403,20 +404,22 @@ def work_dir(out: Path, header: dict[str, Any]) -> tuple[Path, bool]:
     return work, False
 
 
+MAX_SIZE = 1 << 60  # 1 EiB: larger is a typo, not a budget
+
+
 def parse_size(spec: str) -> int:
     """``16G``, ``512M``, ``1.5T``, ``1073741824`` -> bytes (binary units: G = 2^30)."""
     s = spec.strip().upper().removesuffix("B").removesuffix("I")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
-        if s and s[-1] in units:
-            value = int(float(s[:-1]) * units[s[-1]])
-        else:
-            value = int(float(s))
+        number = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
     except ValueError:
         raise UsageError(f"--max-memory {spec!r}: expected a size such as 16G, 512M or 1.5T") from None
-    if value <= 0:
+    if not math.isfinite(number) or number > MAX_SIZE:  # inf, nan, 1e400 (float() reads it as inf)
+        raise UsageError(f"--max-memory {spec!r}: expected a finite size of at most 1 EiB, such as 16G, 512M or 1.5T")
+    if int(number) <= 0:
         raise UsageError(f"--max-memory {spec!r} must be positive")
-    return value
+    return int(number)
 
 
 def rss_bytes() -> int:
