@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import rewrite_grads
 from typer.testing import CliRunner
 
 from cli import app
-from helpers import rewrite_grads
 from oracle.bundle.store import Bundle, BundleWriter
 from oracle.score.scorer import score
 

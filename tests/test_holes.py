@@ -8,11 +8,10 @@ import shutil
 import time
 
 import pytest
-import torch
+from helpers import rewrite_grads
 from typer.testing import CliRunner
 
 from cli import app
-from helpers import rewrite_grads
 from oracle.errors import LogParseError, UsageError
 from oracle.integrations import normlog
 from oracle.replay.streaming.engine import parse_size

@@ -28,11 +28,11 @@ from __future__ import annotations
 import math
 import re
 import time
-
-import regex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from ..bundle.store import BundleWriter
 from ..errors import InputNotFound, LogParseError
@@ -89,7 +89,11 @@ def parse(path: str | Path, *, pattern: str | None = None, step: str | None = No
         try:
             m = rx.search(line, timeout=max(min(PATTERN_LINE_SECONDS, left), 1e-3))
         except TimeoutError:
-            budget = f"{PATTERN_LINE_SECONDS:g} s on one line" if left > PATTERN_LINE_SECONDS else f"{PATTERN_TOTAL_SECONDS:g} s in all"
+            budget = (
+                f"{PATTERN_LINE_SECONDS:g} s on one line"
+                if left > PATTERN_LINE_SECONDS
+                else f"{PATTERN_TOTAL_SECONDS:g} s in all"
+            )
             raise LogParseError(
                 f"{p} line {i + 1}: the pattern {rx.pattern!r} took over {budget} (catastrophic backtracking, "
                 "e.g. nested quantifiers such as (a+)+); simplify it, for instance with non-overlapping character classes"

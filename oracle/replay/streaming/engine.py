@@ -38,7 +38,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from ...errors import UsageError
 from ...precision.mode import PrecisionMode
 from ..loss import chunked_head
 from ..setup import use_replay_attention
+from . import workdir
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .spill import ActivationStore
 
@@ -302,11 +302,11 @@ class _Journal:
         self.dir = work / member
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / JOURNAL
+        self.work = work
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
-        for rec in read_journal(self.dir):
-            if not (self.dir / rec["file"]).is_file():
-                continue
+        records, self.note = workdir.valid_records(work, self.dir)  # signed, inside, hash-checked; else cut there
+        for rec in records:
             if rec["kind"] == "unit":
                 self.units[rec["unit"]] = rec
             elif rec["kind"] == "call":
@@ -315,7 +315,7 @@ class _Journal:
 
     def _append(self, rec: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(workdir.seal(self.work, rec)) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -349,7 +349,8 @@ class _Journal:
         tensors["__n__"] = torch.tensor(len(grads))
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
-        self._append({"kind": "call", "unit": unit, "index": index, "file": f})
+        sha = {k: tensor_sha256(t) for k, t in tensors.items()}
+        self._append({"kind": "call", "unit": unit, "index": index, "file": f, "sha256": sha})
 
     def write_unit(self, unit: str, grads: dict[str, torch.Tensor]) -> None:
         if unit in self.units or not grads:
@@ -362,7 +363,13 @@ class _Journal:
             entries[n] = {"dtype": str(g.dtype).removeprefix("torch."), "shape": list(g.shape),
                           "sha256": tensor_sha256(g), "value_sha256": value_sha256(g)}  # fmt: skip
         self._save(grads, self.dir / f)
-        rec = {"kind": "unit", "unit": unit, "file": f, "entries": entries}
+        rec = {
+            "kind": "unit",
+            "unit": unit,
+            "file": f,
+            "entries": entries,
+            "sha256": {n: e["sha256"] for n, e in entries.items()},
+        }
         self.units[unit] = rec
         self._append(rec)
 
@@ -387,21 +394,10 @@ def _slug(name: str) -> str:
 
 
 # -- the work directory ---------------------------------------------------------------------------
-def work_dir(out: Path, header: dict[str, Any]) -> tuple[Path, bool]:
-    """``.NAME.partial`` beside ``out``: reused (resume) when its header equals this run's, else new."""
-    work = out.parent / f".{out.name}.partial"
-    head = work / "header.json"
-    if work.exists():
-        try:
-            same = json.loads(head.read_text()) == header
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if same:
-            return work, True
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    head.write_text(json.dumps(header, sort_keys=True))
-    return work, False
+def work_dir(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> tuple[Path, bool]:
+    """``.NAME.partial`` beside ``out``: adopted (resume) only when it is ours for this run, a new one
+    otherwise; a folder that is not ours is never touched (streaming/workdir.py, exit 6)."""
+    return workdir.open_work(out, header, overwrite=overwrite)
 
 
 MAX_SIZE = 1 << 60  # 1 EiB: larger is a typo, not a budget
