@@ -179,13 +179,16 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
     note = None
     for i, line in enumerate(lines):
         try:
-            rec = _opened(work, json.loads(line))
+            raw, torn = json.loads(line), False
         except ValueError:
-            rec = None
-        why = "is cut or not signed for this folder" if rec is None else (
-            _check_file(member_dir, rec) if rec.get("kind") in ("unit", "call") else "is of an unknown kind")  # fmt: skip
+            raw, torn = None, True
+        rec = _opened(work, raw)
+        if rec is None:
+            why = "is not valid JSON" if torn else "is not signed for this folder"
+        else:
+            why = _check_file(member_dir, rec) if rec.get("kind") in ("unit", "call") else "is of an unknown kind"
         if why is not None:
-            if i < len(lines) - 1 or rec is not None:  # a torn last line is an ordinary kill, not news
+            if not (torn and i == len(lines) - 1):  # a torn last line is an ordinary kill, not news
                 note = f"{member_dir.name}: journal record {i + 1} {why}; recomputing from there"
             break
         good.append(line)
