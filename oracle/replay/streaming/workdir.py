@@ -74,6 +74,11 @@ def _mac(*parts: Any) -> str:
     return hmac.new(key(), msg, hashlib.sha256).hexdigest()
 
 
+def _same(got: str, want: str) -> bool:
+    """Constant-time comparison of a MAC read from a file (any text, non-ASCII included) with ours."""
+    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want.encode())
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -86,7 +91,7 @@ def _signed(d: Any) -> dict | None:
     if not isinstance(d, dict) or not isinstance(d.get("mac"), str):
         return None
     body = {k: v for k, v in d.items() if k != "mac"}
-    return body if hmac.compare_digest(d["mac"], _mac(body)) else None
+    return body if _same(d["mac"], _mac(body)) else None
 
 
 def _differences(have: dict, want: dict) -> list[str]:
@@ -141,7 +146,7 @@ def _opened(work: Path, d: Any) -> dict | None:
     if not isinstance(d, dict) or not isinstance(d.get("mac"), str):
         return None
     body = {k: v for k, v in d.items() if k != "mac"}
-    return body if hmac.compare_digest(d["mac"], _mac(nonce(work), body)) else None
+    return body if _same(d["mac"], _mac(nonce(work), body)) else None
 
 
 def _check_file(member_dir: Path, rec: dict) -> str | None:
