@@ -135,7 +135,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 if distributed.mine(k):
                     units = read_journal(work / member, "unit")
                     end = json.loads((work / member / "end.json").read_text())
-                    distributed.send_parts(member, {"end": end, "units": units}, [work / member / u["file"] for u in units])
+                    distributed.send_parts(
+                        member, {"end": end, "units": units, "resumed": resumed}, [work / member / u["file"] for u in units]
+                    )
             distributed.finish()  # rank 0 has published the bundle: this rank's journals are no longer needed
             shutil.rmtree(work, ignore_errors=True)
             return out
@@ -146,6 +148,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 part = distributed.recv_parts(member, distributed.owner(k), work / member)
                 (work / member / "journal.jsonl").write_text("".join(json.dumps(u) + "\n" for u in part["units"]))
                 by_member[member] = (part["end"]["loss"], part["end"]["order"])
+                resumed = resumed or bool(part.get("resumed"))  # the run resumed if any rank took over finished work
         losses, orders = [by_member[m][0] for m in members], [by_member[m][1] for m in members]
     kind = "oracle" if dtype == "fp64" else "emulation"
     with BundleWriter(out, kind, overwrite=overwrite) as w:
