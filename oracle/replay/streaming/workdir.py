@@ -182,6 +182,14 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
     good: list[str] = []
     recs: list[dict] = []
     note = None
+    dropped = set()  # calls whose input gradients a later (signed) record dropped: their files are gone by design
+    for line in lines:
+        try:
+            d = _opened(work, json.loads(line))
+        except ValueError:
+            d = None
+        if d is not None and d.get("kind") == "drop":
+            dropped.add((d.get("unit"), d.get("index")))
     for i, line in enumerate(lines):
         try:
             raw, torn = json.loads(line), False
@@ -190,6 +198,8 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
         rec = _opened(work, raw)
         if rec is None:
             why = "is not valid JSON" if torn else "is not signed for this folder"
+        elif rec.get("kind") == "drop" or (rec.get("kind") == "call" and (rec.get("unit"), rec.get("index")) in dropped):
+            why = None
         else:
             why = _check_file(member_dir, rec) if rec.get("kind") in ("unit", "call") else "is of an unknown kind"
         if why is not None:
