@@ -284,6 +284,7 @@ def replay(
             f"\n  streamed within {st['max_memory'] / 2**30:.2f} GiB: peak RSS {st['peak_rss'] / 2**30:.2f} GiB, "
             f"activations spilled {st.get('activations_spilled', 0) / 2**30:.2f} GiB" + (" (resumed)" if st["resumed"] else "")
         )
+        msg += "".join(f"\n  work folder: {note}" for note in st.get("recomputed", []))
     cert = b.get("certificate")
     if cert:
         msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"

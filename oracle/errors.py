@@ -34,12 +34,15 @@ class BundleError(OracleError):
 
 
 class MismatchError(OracleError):
-    """Bundles that do not describe the same step (different inputs or weights)."""
+    """Bundles that do not describe the same step (different inputs or weights), or rank captures of
+    different runs (stage, loss convention, run config, weights)."""
 
     exit_code = 5
 
 
 class OutputExists(OracleError):
+    """An output that exists, or a streaming work folder ``.OUT.partial`` that is not this run's (left untouched)."""
+
     exit_code = 6
 
 
@@ -80,8 +83,8 @@ EXIT_CODES = {
     UsageError.exit_code: "usage error (unknown option, missing argument, contradicting options)",
     InputNotFound.exit_code: "an input path does not exist or cannot be read",
     BundleError.exit_code: "a bundle is malformed, damaged (hash mismatch) or of an unsupported schema",
-    MismatchError.exit_code: "bundles describe different steps (inputs or weights differ)",
-    OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it)",
+    MismatchError.exit_code: "bundles describe different steps (inputs or weights differ), or rank captures are not one run",
+    OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it), or a work folder beside it is not this run's",
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",

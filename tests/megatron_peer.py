@@ -128,9 +128,11 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
     torch_norm.WrappedTorchNorm.__new__ = norm_without_sp
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    if pp > 1:  # 5. the schedule moves its token count to cuda, a tied embedding its weight (CPU: stay)
+        torch.Tensor.cuda = lambda self, *a, **k: self
     model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
                      vocab_size=padded, max_sequence_length=CFG["seq_len"], position_embedding_type="rope",
-                     rotary_base=int(CFG["rope_theta"]), share_embeddings_and_output_weights=False,
+                     rotary_base=int(CFG["rope_theta"]), share_embeddings_and_output_weights=opts.get("tied", False),
                      pre_process=first, post_process=last)  # fmt: skip
     _zero_padded_rows(model, vocab, padded, parallel_state.get_tensor_model_parallel_rank())
     if opts.get("fault"):  # a planted backward fault: the gradient entering one layer's MLP scaled
@@ -163,8 +165,6 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     else:  # Megatron's own pipeline schedule (1F1B), one micro-batch, p2p over gloo
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        torch.Tensor.cuda = lambda self, *a, **k: self  # 5. the schedule moves its token count to cuda
-
         def loss_func(output):
             total = (output.float() * b["loss_mask"]).sum()
             seen["loss"] = float(total.detach()) / (1 if per_token else n_tokens)
@@ -193,13 +193,15 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
 def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
-             fault: tuple[int, float] | None = None) -> str:  # fmt: skip
+             fault: tuple[int, float] | None = None, tied: bool = False) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
     in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
-    ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward."""
+    ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward.
+    ``tied``: share_embeddings_and_output_weights (with PP > 1 the last stage holds its own copy of the
+    embedding as output_layer, and finalize sums the two stages' gradients)."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
-            "packed": packed, "fault": fault}  # fmt: skip
+            "packed": packed, "fault": fault, "tied": tied}  # fmt: skip
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 

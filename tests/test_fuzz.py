@@ -228,3 +228,136 @@ def test_fuzzed_samples_are_read_or_refused_with_exit_3_or_7(source, step, sampl
         return
     event("read")
     assert inputs["input_ids"].shape == inputs["labels"].shape and inputs["input_ids"].shape[0] == 1
+
+
+# -- issue 21: packed boundaries, work folders, option values, patterns, coverage ----------------
+@FUZZ
+@given(cu=st.one_of(st.lists(st.integers(-3, 14), max_size=6), st.lists(st.floats(-2, 14), min_size=1, max_size=4)),
+       restart=st.sets(st.integers(1, 11), max_size=3), rows=st.sampled_from([1, 2]))  # fmt: skip
+def test_fuzzed_cu_seqlens_are_validated_or_refused_with_exit_4(cu, restart, rows):
+    """Any cu_seqlens with any positions: accepted only if it starts at 0, increases, ends at B x T, has every
+    row start, and agrees with the restarting positions (or they never restart); else BundleError, exit 4."""
+    from oracle.capture.packing import check_boundaries
+    from oracle.errors import BundleError
+
+    T = 12
+    pos = torch.arange(T)
+    for r in sorted(restart):
+        pos[r:] = torch.arange(T - r)
+    inputs = {"input_ids": torch.zeros(rows, T, dtype=torch.int64), "position_ids": pos.expand(rows, T).contiguous(),
+              "cu_seqlens": torch.tensor(cu)}  # fmt: skip
+    try:
+        got = check_boundaries(inputs, "fuzz")
+    except BundleError as e:
+        assert e.exit_code == 4 and "cu_seqlens" in str(e)
+        event("refused, exit 4")
+        return
+    event("accepted")
+    starts = {0} | {i * T + r for i in range(rows) for r in restart}
+    assert got[0] == 0 and got[-1] == rows * T and all(b > a for a, b in zip(got, got[1:]))
+    assert set(got[:-1]) == starts or not restart
+
+
+@FUZZ
+@given(lines=st.lists(st.one_of(
+    st.binary(max_size=30).map(lambda b: b.decode("latin-1")),
+    st.fixed_dictionaries({"kind": st.sampled_from(["unit", "call", "x"]), "unit": st.just("u"), "index": st.just(0),
+                           "file": st.sampled_from(["../x.safetensors", "/etc/passwd", "shard-00001.safetensors",
+                                                    "shard-00009.safetensors", "link.safetensors", "gin-0123456789ab-0.safetensors"]),
+                           "entries": st.just({}), "sha256": st.one_of(st.just({}), JSON)},
+                          optional={"mac": st.text(max_size=64)}).map(json.dumps),
+), max_size=4), sign=st.booleans())  # fmt: skip
+def test_fuzzed_journals_adopt_only_our_files_and_touch_nothing_outside(tmp_path_factory, lines, sign):
+    """Whatever the journal says (forged, signed with our key, garbled): only regular files of ours inside
+    the member folder that match their hashes are adopted; the file outside is never moved or changed."""
+    from oracle.replay.streaming import engine, workdir
+
+    root = tmp_path_factory.mktemp("journal")
+    (root / "x.safetensors").write_bytes(b"user data")
+    work, adopted = workdir.open_work(root / "o", {"fingerprint": "f"})
+    j = engine._Journal(work, "grads")
+    j.write_unit("u", {"a": torch.ones(3)})
+    (work / "grads" / "link.safetensors").symlink_to(root / "x.safetensors")
+    with open(work / "grads" / "journal.jsonl", "a") as f:
+        for line in lines:
+            if sign and line.startswith("{"):
+                line = json.dumps(workdir.seal(work, {k: v for k, v in json.loads(line).items() if k != "mac"}))
+            f.write(line.replace("\n", " ") + "\n")
+    recs, _ = workdir.valid_records(work, work / "grads")
+    assert recs and recs[0]["file"] == "shard-00001.safetensors"
+    for rec in recs:
+        p = work / "grads" / rec["file"]
+        assert workdir.FILE_NAME.fullmatch(rec["file"]) and p.is_file() and not p.is_symlink()
+    assert (root / "x.safetensors").read_bytes() == b"user data"
+    assert workdir.open_work(root / "o", {"fingerprint": "f"})[1] is True  # still ours
+    event(f"{len(recs)} record(s) adopted")
+
+
+@FUZZ
+@given(memory=st.one_of(st.sampled_from(["inf", "1e400", "nan", "-inf", "1e19G", "0x10", "", " ", "1e-400"]),
+                        st.text(alphabet="0123456789.eE+-KMGTinfa ", max_size=8)),
+       margin=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([float("inf"), float("nan"), 0.0, 1.0])))  # fmt: skip
+def test_fuzzed_option_values_exit_with_documented_codes(small, memory, margin):
+    """--max-memory and --margin of any value: a usage error (2) or the command's own outcome, never exit 1."""
+    from oracle.replay.streaming.engine import parse_size
+    from oracle.score.tolerance import check_margin
+
+    for fn, value in ((parse_size, memory), (check_margin, margin)):
+        try:
+            got = fn(value)
+        except OracleError as e:
+            assert e.exit_code == 2, e
+            event("refused, exit 2")
+            continue
+        assert got > 0 and got < float("inf")
+        event("accepted")
+    r = CliRunner().invoke(app, ["score", str(small), str(small), "--margin", repr(margin)])
+    assert r.exit_code in (2, 4) and "Traceback" not in r.output, r.output
+
+
+@settings(FUZZ, max_examples=60)
+@given(pattern=st.text(alphabet="()[]{}+*?|.^$\\adws0-9,<>P=:!", max_size=24).map(lambda p: f"(?P<name>{p})=(?P<value>\\S+)"))
+def test_fuzzed_patterns_parse_or_exit_8_within_the_time_guard(tmp_path_factory, monkeypatch, pattern):
+    """Any --pattern: lines parsed, or LogParseError (exit 8), within the guard; never another exception."""
+    import time
+
+    from oracle.integrations import normlog
+
+    monkeypatch.setattr(normlog, "PATTERN_LINE_SECONDS", 0.05)
+    log = tmp_path_factory.mktemp("log") / "x.log"
+    log.write_text("a.weight=1.5\n" + "a" * 40 + "b=2\n((((x=3\n")
+    t0 = time.monotonic()
+    try:
+        normlog.parse(log, pattern=pattern)
+        event("parsed")
+    except OracleError as e:
+        assert e.exit_code == 8, e
+        event("refused, exit 8")
+    assert time.monotonic() - t0 < 10
+
+
+@settings(FUZZ, max_examples=12)
+@given(keep=st.lists(st.booleans(), min_size=1, max_size=200), extra=st.booleans())
+def test_no_within_noise_for_gradients_not_checked(fp32_capture, oracle_bundle, tmp_path_factory, keep, extra):
+    """A capture holding any proper subset of the oracle's gradients (plus maybe a foreign one) is never
+    within_noise: it is incomplete, and its coverage names exactly what is missing."""
+    from oracle.score.scorer import score
+
+    src = Bundle(fp32_capture)
+    names = src.names("grads")
+    held = [n for i, n in enumerate(names) if keep[i % len(keep)]]
+    if len(held) == len(names):
+        held = held[1:]
+    dst = tmp_path_factory.mktemp("subset") / "c"
+    with BundleWriter(dst, "capture") as w:
+        w.manifest.update({k: v for k, v in src.manifest.items() if k not in ("tensors", "schema_version", "kind")})
+        for group in src.groups():
+            tensors = src.load_group(group)
+            if group == "grads":
+                tensors = {n: tensors[n] for n in held} | ({"foreign.weight": torch.ones(2)} if extra else {})
+            w.add(group, tensors)
+    c = score(oracle_bundle, [dst])["captures"][0]
+    assert c["verdict"]["class"] == "incomplete"
+    assert sorted(c["coverage"]["missing"]) == sorted(set(names) - set(held))
+    assert c["coverage"]["extra"] == (["foreign.weight"] if extra else [])
+    event(f"incomplete, {len(held)} of {len(names)}")

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from oracle.bundle.store import Bundle, BundleWriter
-from oracle.errors import BundleError, NotReplayable, UsageError
+from oracle.errors import BundleError, MismatchError, NotReplayable, UsageError
 from oracle.integrations.megatron.hook import capture_rank
 from oracle.integrations.megatron.layout import merge_fc1
 from oracle.integrations.megatron.merge import merge_ranks
@@ -162,7 +162,7 @@ def test_missing_ranks_mixed_stages_and_foreign_configs_are_named(peers, tmp_pat
     pre = sorted((peers / "tp2" / "pre").iterdir())
     with pytest.raises(BundleError, match=r"captures of DP 0 PP 0 TP 1 are missing"):
         merge_ranks([pre[0]], tmp_path / "m", recipe="qwen3")
-    with pytest.raises(BundleError, match="mix stages"):
+    with pytest.raises(MismatchError, match="mix stages"):  # two runs' ranks: exit 5 (issue 21)
         merge_ranks([pre[0], sorted((peers / "tp2" / "post").iterdir())[1]], tmp_path / "m", recipe="qwen3")
     with pytest.raises(UsageError, match=r"--hf-config num_key_value_heads = 2 but the run has 4"):
         merge_ranks(

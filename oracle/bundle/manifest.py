@@ -124,7 +124,8 @@ class LocalRow(_Model):
 class Manifest(_Model):
     schema_version: Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]  # strict: true is not 1
     kind: Literal[KINDS]  # type: ignore[valid-type]
-    tensors: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.]+$")], dict[Name, TensorEntry]] = {}
+    # required: every writer lists its tensors (an empty dict for a norm log), and every reader indexes it
+    tensors: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.]+$")], dict[Name, TensorEntry]]
     recipe: RecipeRef | None = None
     precision: str | None = None
     device: Device | None = None

@@ -10,6 +10,11 @@ A name printed more than once (several steps or ranks in one log) is an error un
 says which print to take: ``step``/``rank`` (when the pattern captures them) or ``occurrence``
 (the k-th print of each name, 0-based). Nothing is silently overwritten.
 
+A user's pattern is run under a time guard (the ``regex`` engine's timeout; ``regex`` comes with
+transformers): a search over one line that takes more than PATTERN_LINE_SECONDS, or a whole log
+over PATTERN_TOTAL_SECONDS, stops with a LogParseError naming the line, instead of backtracking for
+minutes on a pattern such as ``(a+)+b``.
+
 Comparing two logs without an oracle (``compare``): per parameter the ratio r = n_B / n_A; per
 layer the ratio of root-sum-square norms; layers ordered along the backward pass (loss end first:
 output layer, final norm, decoder layers from last to first, embeddings). Parameter kinds are
@@ -22,15 +27,20 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from ..bundle.store import BundleWriter
 from ..errors import InputNotFound, LogParseError
 from ..score.layers import generic_key
 from .megatron.layout import partial_sum
 
+PATTERN_LINE_SECONDS = 1.0  # a log line is matched in microseconds by any sane pattern
+PATTERN_TOTAL_SECONDS = 120.0
 DEFAULT_PATTERN = r"\[DEBUG_GRAD_NORM\]\[[^\]]*\]\s+(?P<name>\S+)\s+norm=(?P<value>[-+0-9.eEnaifNI]+)"
 
 # Parameter kinds, first match wins (labels only; which are partial sums is megatron/layout.partial_sum's rule).
@@ -63,8 +73,8 @@ def parse(path: str | Path, *, pattern: str | None = None, step: str | None = No
     if not p.is_file():
         raise InputNotFound(f"norm log {p} does not exist")
     try:
-        rx = re.compile(pattern or DEFAULT_PATTERN)
-    except re.error as e:
+        rx = regex.compile(pattern or DEFAULT_PATTERN)
+    except (regex.error, re.error) as e:
         raise LogParseError(f"--pattern is not a valid regular expression ({e})") from e
     if not {"name", "value"} <= set(rx.groupindex):
         raise LogParseError("--pattern must have named groups (?P<name>...) and (?P<value>...)")
@@ -73,8 +83,21 @@ def parse(path: str | Path, *, pattern: str | None = None, step: str | None = No
             raise LogParseError(f"--{sel} given but the pattern has no (?P<{sel}>...) group")
     seen: dict[str, list[float]] = {}
     order: list[str] = []
-    for line in p.read_text(errors="replace").splitlines():
-        m = rx.search(line)
+    deadline = time.monotonic() + PATTERN_TOTAL_SECONDS
+    for i, line in enumerate(p.read_text(errors="replace").splitlines()):
+        left = deadline - time.monotonic()
+        try:
+            m = rx.search(line, timeout=max(min(PATTERN_LINE_SECONDS, left), 1e-3))
+        except TimeoutError:
+            budget = (
+                f"{PATTERN_LINE_SECONDS:g} s on one line"
+                if left > PATTERN_LINE_SECONDS
+                else f"{PATTERN_TOTAL_SECONDS:g} s in all"
+            )
+            raise LogParseError(
+                f"{p} line {i + 1}: the pattern {rx.pattern!r} took over {budget} (catastrophic backtracking, "
+                "e.g. nested quantifiers such as (a+)+); simplify it, for instance with non-overlapping character classes"
+            ) from None
         if not m:
             continue
         d = m.groupdict()

@@ -36,7 +36,7 @@ from ..parallel import distributed, tensor_parallel
 from ..precision.mode import PrecisionMode
 from .certify import finite_difference_certificate
 from .loss import chunked_head
-from .setup import carry_inputs_and_weights, recipe_of, use_replay_attention
+from .setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries, use_replay_attention
 
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
 
@@ -52,7 +52,7 @@ def run_step(
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
     model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
-    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    inputs = load_inputs(cap, compute)
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
     use_replay_attention(model, round_to)
     if instrument is not None:
@@ -61,7 +61,7 @@ def run_step(
     order: list[str] = []  # the order gradients are completed in: the true backward order
     hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
     try:
-        with mode, chunked_head():
+        with mode, chunked_head(), recorded_boundaries(inputs):
             loss, _ = recipe.forward_loss(model, inputs, reduction)
             if round_to is None:
                 assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
@@ -151,7 +151,8 @@ def replay(
             reduction = (cap.get("loss") or {}).get("reduction", "mean")
 
             def loss_fn(model=model, inputs=inputs):
-                return recipe.forward_loss(model, inputs, reduction)[0]
+                with recorded_boundaries(inputs):
+                    return recipe.forward_loss(model, inputs, reduction)[0]
 
             cert = finite_difference_certificate(
                 model, loss_fn, directions=directions, mode_factory=lambda: PrecisionMode(torch.float64)

@@ -3,10 +3,13 @@ the attention the replay runs, and carrying a capture's inputs and weights into 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import recipe as recipes
 from ..bundle.store import Bundle, BundleWriter
+from ..capture.packing import check_boundaries, row_boundaries
 from ..errors import RecipeError
 from . import attention
 
@@ -38,3 +41,22 @@ def use_replay_attention(model: torch.nn.Module, round_to) -> None:
     the honest error."""
     if round_to is None:
         attention.use(model)
+
+
+def load_inputs(cap: Bundle, compute: torch.dtype) -> dict[str, torch.Tensor]:
+    """The capture's inputs for a replay, float ones upcast to ``compute`` (the one boundary where
+    they are); packed boundaries validated here (capture/packing.check_boundaries, exit 4)."""
+    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
+    check_boundaries(inputs, str(cap.path))
+    return inputs
+
+
+def recorded_boundaries(inputs: dict[str, torch.Tensor]):
+    """A context in which the replay's attention takes the recorded ``cu_seqlens`` (per row) as the
+    sample boundaries, instead of inferring them from the positions; a no-op for an unpacked step."""
+    cu = check_boundaries(inputs, "the step")
+    if cu is None:
+        return contextlib.nullcontext()
+    ids = inputs.get("input_ids", inputs.get("tokens"))
+    T = int(ids.shape[-1])
+    return attention.packed(row_boundaries(cu, cu[-1] // T, T))

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..bundle.store import Bundle
 from ..errors import BundleError, UsageError
-from .tolerance import MARGIN, row, table
+from .tolerance import MARGIN, check_margin, row, table
 
 KEYS = ("fwd", "bwd", "param")
 BEYOND, WITHIN, NONFINITE = "beyond_noise", "within_noise", "non_finite"
@@ -56,6 +56,7 @@ def score_local(
 
     A local replay measures its own band per module (``--members`` emulated runs of the module at
     replay time), so end-to-end ``--band`` bundles do not apply: given, they are a usage error."""
+    margin = check_margin(margin)
     bundle = bundle if isinstance(bundle, Bundle) else Bundle(bundle)
     if bundle.kind != "local":
         raise BundleError(f"{bundle.path} is a {bundle.kind} bundle; local scoring needs `oracle replay --local` output")

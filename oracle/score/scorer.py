@@ -10,9 +10,15 @@ this truth would be meaningless, so it is refused (MismatchError) with the diffe
 Per parameter p of capture c (formulas in metrics.py):
     e(p)       = rel_l2 = ||g - t|| / ||t||          (norm-only captures: e = |norm_ratio - 1|)
     band(p)    = max(max_k e_k(p), floor)            e_k = the same metric for emulated member k;
-                 without a band: the tolerance table's ``expected`` for c's precision
+                 without a band: max(expected, floor) of the tolerance table for c's precision
     excess(p)  = e(p) / band(p)
     class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
+Coverage: which of the oracle's M gradients the capture holds (N), which it lacks, and which it holds
+that the oracle does not (extra, not scored). A capture that is not a norm log and lacks any
+gradient is ``incomplete`` whatever the part checked says (that part's class is ``checked_class``);
+one with nothing in common is ``incomplete`` too (a norm log included). Norm logs print what they
+print: they state their coverage and are judged on it. A non-finite oracle cannot judge anything:
+every verdict is ``oracle_non_finite``.
 Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
 over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
 
@@ -45,9 +51,11 @@ from ..errors import BundleError, MismatchError, UsageError
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .layers import group as group_layers
-from .tolerance import MARGIN, table
+from .tolerance import MARGIN, check_margin, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
+INCOMPLETE, ORACLE_NONFINITE = "incomplete", "oracle_non_finite"
+SHOWN = 5  # missing / extra names spelled out in a verdict line (all of them are in the JSON)
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -129,6 +137,7 @@ def score(
 ) -> dict[str, Any]:
     """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
     refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
+    margin = check_margin(margin)
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
         raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
@@ -189,6 +198,8 @@ def score(
         c["loss_check"] = _loss_check(plan, oracle, margin)
         if c["loss_check"] and c["loss_check"]["beyond"]:
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
+        c["coverage"] = _coverage(plan, pnames)
+        _judge_coverage(c, oracle_nonfinite)
     out = {
         "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
@@ -199,6 +210,50 @@ def score(
     }
     out["summary"] = _summary(out)
     return out
+
+
+def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
+    """What the capture holds of the oracle's gradients (in the oracle's order) and beyond them."""
+    c: Bundle = plan["bundle"]
+    held = list(plan["norms"]) if plan["norms"] is not None else c.names("grads")
+    known = set(pnames)
+    missing = [p for p in pnames if p not in plan["rows"]]
+    extra = sorted(n for n in held if n not in known)
+    return {"oracle": len(pnames), "covered": len(pnames) - len(missing), "missing": missing, "extra": extra,
+            "norms_only": plan["norms"] is not None}  # fmt: skip
+
+
+def _names(names: list[str]) -> str:
+    more = f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
+    """Put coverage into the verdict: ``incomplete`` when gradients are missing (norm logs: only when
+    nothing is in common), ``oracle_non_finite`` when the truth itself is not finite. The class of
+    the part that was checked stays in ``checked_class``."""
+    v, cov = c["verdict"], c["coverage"]
+    v["checked_class"] = v["class"]
+    what = "gradient norms" if cov["norms_only"] else "gradients"
+    line = f"covers {cov['covered']} of the oracle's {cov['oracle']} {what}"
+    if cov["missing"]:
+        line += f"; missing {len(cov['missing'])}: {_names(cov['missing'])}"
+    if cov["extra"]:
+        line += f"; {len(cov['extra'])} not in the oracle (not scored): {_names(cov['extra'])}"
+    cov["text"] = line
+    head = f"{c['name']} ({c['precision']}): "
+    checked = v["text"].removeprefix(head) if cov["covered"] else "nothing was checked"
+    if oracle_nonfinite:
+        v["class"] = ORACLE_NONFINITE
+        v["text"] = (f"{head}CANNOT JUDGE: the oracle's own gradients are non-finite in {len(oracle_nonfinite)} "
+                     f"parameter(s) ({_names(oracle_nonfinite)}); the step overflows even in float64; against it: {checked}")  # fmt: skip
+        if cov["missing"] or cov["extra"]:
+            v["text"] += f" [{line}]"
+    elif cov["covered"] == 0 or (cov["missing"] and not cov["norms_only"]):
+        v["class"] = INCOMPLETE
+        v["text"] = f"{head}INCOMPLETE: {line}; of what it covers: {checked}"
+    elif cov["missing"] or cov["extra"] or cov["norms_only"]:
+        v["text"] += f" [{line}]"
 
 
 def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
@@ -249,7 +304,7 @@ def _classify(err: float, band: float, nonfinite: int, margin: float) -> tuple[f
 def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict[str, float]) -> float:
     if member_rows:
         return max(max(_metric(r, norms_only) for r in member_rows), tol["floor"])
-    return tol["expected"]
+    return max(tol["expected"], tol["floor"])  # a --tol floor holds without a band too
 
 
 def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, int]) -> dict[str, Any]:
@@ -287,7 +342,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             err = agg["rel_l2"]
             k_members = len(band_rows.get(present[0], []))
             members = [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
-        band = max(max(members), tol["floor"]) if members else tol["expected"]
+        band = max(max(members), tol["floor"]) if members else max(tol["expected"], tol["floor"])
         band_low = min(members) if members else band
         excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
         worst = max(present, key=lambda p: by_name[p]["excess"])

@@ -5,7 +5,8 @@ fallback when no emulated run of the step exists, and supplies two constants the
 
     expected  -- relative L2 gradient error an honest run of that precision reaches (the reasoning
                  for each entry is in precision.py, next to the entry);
-    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``);
+    floor     -- smallest band accepted per parameter (u/4, see ``Precision.floor``), with a measured
+                 band or without one (then the band is max(expected, floor));
     margin    -- error / band_upper above which a parameter or layer is ``beyond_noise``. The band
                  upper is the max over K emulated members; an honest run lands within ~1.5x of it
                  (measured: real autocast vs emulated bf16 median ratio 0.9), so 3x leaves room
@@ -17,11 +18,22 @@ amp-bf16:expected=0.03``, ``--margin 3``).
 
 from __future__ import annotations
 
+import math
+
 from ..errors import UsageError
 from ..precision import TABLE, UNKNOWN
 
 MARGIN = 3.0
 FIELDS = ("expected", "floor")
+
+
+def check_margin(margin: float) -> float:
+    """A margin is a finite positive factor: an infinite one (or NaN, which compares false) would pass
+    every fault, however large. The CLI asks >= 1 as well (below 1 an honest run at its band is beyond
+    noise); a library caller may go below 1 on purpose, to make the referee stricter."""
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0):
+        raise UsageError(f"--margin {margin!r}: expected a finite factor >= 1 (the default is {MARGIN:g})")
+    return float(margin)
 
 
 def table(overrides: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:

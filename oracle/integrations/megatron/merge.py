@@ -75,12 +75,71 @@ def _one(metas: list[dict], key: str, what: str, default: int = 1) -> int:
     return vals.pop()
 
 
+def _not_one_run(a: Bundle, b: Bundle, field: str, va: Any, vb: Any) -> MismatchError:
+    return MismatchError(
+        f"rank captures {a.path} and {b.path} are not one run: {field} is {va!r} in the first and {vb!r} in the second; "
+        "merge the ranks of one run (one step, one stage) only"
+    )
+
+
+def check_one_run(bundles: list[Bundle]) -> None:
+    """Every rank of one run records the same stage, loss convention and run config (sequence
+    parallel among its fields); MismatchError (exit 5) naming the two ranks and the field otherwise."""
+    ref, m0 = bundles[0], bundles[0].manifest["megatron"]
+    for b in bundles[1:]:
+        m = b.manifest["megatron"]
+        for field in ("stage", "calculate_per_token_loss"):
+            if m.get(field) != m0.get(field):
+                raise _not_one_run(ref, b, field, m0.get(field), m.get(field))
+        ca, cb = m0.get("config") or {}, m.get("config") or {}
+        diff = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        if diff:
+            raise _not_one_run(ref, b, f"config.{diff[0]}", ca.get(diff[0]), cb.get(diff[0]))
+
+
+def _check_same_step(chosen: dict[tuple[int, int, int], Bundle], bundles: list[Bundle], info: dict) -> None:
+    """Ranks that hold one copy of the model hold the same weights (the manifest's value hashes: no
+    tensor is read): DP replicas at one (PP, TP) place, and TP ranks' replicated norm weights; the TP
+    ranks of a stage saw one batch and computed one loss. MismatchError (exit 5) otherwise."""
+    by_place: dict[tuple[int, int], list[Bundle]] = {}
+    for b in bundles:
+        c = b.manifest["megatron"]["coords"]
+        by_place.setdefault((c.get("pp_rank", 0), c["tp_rank"]), []).append(b)
+    for group in by_place.values():
+        ref = group[0]
+        for b in group[1:]:
+            wa, wb = ref.fingerprint().get("weights", {}), b.fingerprint().get("weights", {})
+            bad = sorted(n for n in set(wa) | set(wb) if wa.get(n) != wb.get(n))
+            if bad:
+                raise _not_one_run(ref, b, f"weights/{bad[0]} (DP replicas hold one model)", "one value", "another")
+    for (d, p, t), b in chosen.items():
+        if t == 0:
+            continue
+        ref = chosen[d, p, 0]
+        if b.fingerprint()["inputs"] != ref.fingerprint()["inputs"]:
+            raise MismatchError(f"{b.path} saw another batch than {ref.path}: TP ranks of one step share the batch")
+        ma, mb = ref.manifest["megatron"], b.manifest["megatron"]
+        for field in ("loss_as_given", "num_tokens"):
+            if ma.get(field) is not None and mb.get(field) is not None and ma.get(field) != mb.get(field):
+                raise _not_one_run(ref, b, field, ma.get(field), mb.get(field))
+        wa, wb = ref.fingerprint().get("weights", {}), b.fingerprint().get("weights", {})
+        gated = (ma.get("config") or {}).get("gated_linear_unit", True)
+        for n in sorted(set(wa) & set(wb)):
+            layout = ma.get("layout", {}).get(n, {})
+            if kind_of(strip_wrappers(n), {**layout, "gated": gated}) == "norm" and wa[n] != wb[n]:
+                raise _not_one_run(ref, b, f"weights/{n} (a replicated norm weight)", "one value", "another")
+
+
 def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dict[tuple[int, int, int], Bundle], dict[str, Any]]:
     """-> {(dp, pp, tp): bundle} of the ranks that make the step, and the step's layout."""
     metas = [b.manifest["megatron"] for b in bundles]
     stages = {m["stage"] for m in metas}
     if len(stages) > 1:
-        raise BundleError(f"rank captures mix stages {sorted(stages)}; merge one stage at a time")
+        a = next(b for b, m in zip(bundles, metas) if m["stage"] == metas[0]["stage"])
+        b = next(b for b, m in zip(bundles, metas) if m["stage"] != metas[0]["stage"])
+        raise MismatchError(f"rank captures mix stages {sorted(stages)} ({a.path}: {a.get('megatron')['stage']}, "
+                            f"{b.path}: {b.get('megatron')['stage']}); merge one stage at a time")  # fmt: skip
+    check_one_run(bundles)
     stage = stages.pop()
     tp, pp, dp = _one(metas, "tp_size", "TP size"), _one(metas, "pp_size", "PP size"), _one(metas, "dp_size", "DP size")
     if _one(metas, "cp_size", "CP size") > 1:
@@ -105,16 +164,9 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
         raise BundleError(
             f"TP {tp} x PP {pp} (DP ranks {dps}) but the captures of {', '.join(missing[:6])} are missing; pass every rank's bundle"
         )
-    for d in dps:
-        for p in range(pp):
-            ref = chosen[d, p, 0]
-            fp = ref.fingerprint()["inputs"]
-            for t in range(1, tp):
-                if chosen[d, p, t].fingerprint()["inputs"] != fp:
-                    raise MismatchError(
-                        f"{chosen[d, p, t].path} saw another batch than {ref.path}: TP ranks of one step share the batch"
-                    )
-    return chosen, {"stage": stage, "tp": tp, "pp": pp, "dp": dp, "dps": dps, "meta": metas[0]}
+    info = {"stage": stage, "tp": tp, "pp": pp, "dp": dp, "dps": dps, "meta": metas[0]}
+    _check_same_step(chosen, bundles, info)
+    return chosen, info
 
 
 def _global_name(mname: str, offset: int) -> str:
@@ -173,6 +225,36 @@ def _merge(mname: str, group: str, kind: str, shards: list[torch.Tensor], heads:
         return merge_tensor(kind, shards, heads=heads, dim=dim)
     except (BundleError, RuntimeError) as e:
         raise BundleError(f"{group}/{mname} ({kind}, shards {[tuple(t.shape) for t in shards]}): {e}") from None
+
+
+def _tie_embeddings(weights: dict, grads: dict, mapping: dict, stage: str, pp: int, warnings: list[str]) -> None:
+    """PP > 1 with tied embeddings: the last stage holds its own copy of stage 0's embedding as
+    ``output_layer.weight``; finalize_model_grads (``_allreduce_word_embedding_grads``) sums the two
+    copies' gradients over the embedding group. The HF model has one tied parameter: its gradient is
+    stage 0's embedding gradient + the last stage's output-layer gradient before finalize (summed in
+    float64), either copy after it (both hold the sum). The two copies' weights must be equal."""
+    emb = next((g for g, m in mapping.items() if m["pp_rank"] == 0 and g.endswith("embedding.word_embeddings.weight")), None)
+    out = next((g for g, m in mapping.items() if m["pp_rank"] == pp - 1 and g.endswith("output_layer.weight")), None)
+    if emb is None or out is None:
+        return
+    e, o = mapping[emb]["hf"][0], mapping[out]["hf"][0]
+    if e == o:
+        return
+    if not torch.equal(weights[e], weights[o]):
+        raise MismatchError(f"{emb} (stage 0) and {out} (stage {pp - 1}) are one tied parameter but hold different "
+                            "weights: the ranks are not one run, or the embedding group was not synchronised")  # fmt: skip
+    if e in grads and o in grads:
+        ge, go = grads[e], grads.pop(o)
+        if stage == "pre-finalize":
+            grads[e] = (ge.double() + go.double()).to(ge.dtype)  # finalize's embedding all-reduce, in float64
+        elif float((go.double() - ge.double()).norm()) > POST_AGREEMENT * max(float(ge.double().norm()), 1e-30):
+            warnings.append(
+                f"{out}: the tied output layer's gradient differs from stage 0's embedding after finalize; stage 0's is used"
+            )
+    else:
+        grads.pop(o, None)
+    del weights[o]
+    mapping[out] = {**mapping[out], "hf": [e], "tied_to": emb}
 
 
 def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_config: dict[str, Any] | None = None,
@@ -246,6 +328,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                 "pp_rank": p,
                 "local": mname,
             }
+    if pp > 1 and run.get("share_embeddings_and_output_weights"):
+        _tie_embeddings(weights, grads, mapping, stage, pp, warnings)
     vocab_rows = {int(weights[m["hf"][0]].shape[0]) for m in mapping.values() if m["kind"] == "vocab"}
     padded = vocab_rows.pop() if len(vocab_rows) == 1 else run.get("vocab_size")
     config, given_true = with_padded_vocab(config, recipe, padded)

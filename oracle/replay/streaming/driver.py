@@ -19,18 +19,22 @@ import torch
 
 from ... import precision as precisions
 from ...bundle.store import Bundle, BundleWriter
-from ...errors import RecipeError, UsageError
+from ...errors import BundleError, RecipeError, UsageError
 from ...parallel import distributed
 from ...precision.mode import PrecisionMode
 from . import budget as budgets
+from . import workdir
+from .engine import JOURNAL as JOURNAL_NAME
 from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
 
-def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
+def _header(cap: Bundle, dtype: str, ensemble: int, out: Path) -> dict[str, Any]:
+    """What a work folder must have been made for to be resumed: this step, this command, this version."""
     from ...version import __version__
 
     fp = json.dumps(cap.fingerprint(), sort_keys=True)
-    head = {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__}
+    head = {"fingerprint": fp, "dtype": dtype, "ensemble": ensemble, "threads": torch.get_num_threads(), "oracle": __version__,
+            "out": out.name}  # fmt: skip
     if distributed.world() > 1:  # which members a rank owns depends on the number of ranks
         head.update(rank=distributed.rank(), ranks=distributed.world())
     return head
@@ -41,7 +45,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                     token_chunk: int | None = None) -> Path:  # fmt: skip
     """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
     ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK)."""
-    from ..setup import carry_inputs_and_weights, recipe_of
+    from ..setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries
 
     tame_malloc()
     recipe = recipe_of(cap)
@@ -51,42 +55,49 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     ranks = distributed.world()
     # one work directory per rank (.NAME.rankR.partial): its members' journals, resumed per rank
-    work, resumed = work_dir(
-        out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"), _header(cap, dtype, ensemble)
+    inputs = load_inputs(cap, compute)  # validated (packed boundaries) before any work folder exists
+    work, adopted = work_dir(
+        out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"),
+        _header(cap, dtype, ensemble, out),
+        overwrite=overwrite,
     )
-    inputs = {n: (t.to(compute) if t.is_floating_point() else t) for n, t in cap.iter_group("inputs")}
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}
+    resumed, notes = False, []  # resumed: finished work was taken over (not merely a folder found)
     for k, member in enumerate(members):
         if not distributed.mine(k):
             continue
-        done = work / member / "end.json"
-        if done.is_file():  # a finished member of a resumed run
-            rec = json.loads(done.read_text())
+        rec = workdir.read_end(work, work / member) if adopted else None
+        if rec is not None:  # a finished member of a resumed run, its journal and shards verified
             losses.append(rec["loss"])
             orders.append(rec["order"])
             promotions += rec["promotions"]
+            resumed = True
             continue
         mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
         build_mode = PrecisionMode(compute)
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
                               progress=progress and distributed.is_main(),
                               **({} if token_chunk is None else {"token_chunk": token_chunk}))  # fmt: skip
+        resumed = resumed or bool(engine.journal.units or engine.journal.calls)
+        if engine.journal.note:
+            notes.append(engine.journal.note)
         reserve = budgets.need(cap, engine.model, recipe, compute, token_chunk)
         fixed = rss_bytes() + reserve["bytes"]
         if budget < fixed:
+            if not resumed:  # the folder this run made holds nothing: a rerun must not "resume" it
+                shutil.rmtree(work, ignore_errors=True)
             raise UsageError(budgets.refusal(budget, fixed, reserve["by"]))
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
         torch.manual_seed(0)
-        loss = engine.run(inputs, reduction)
+        with recorded_boundaries(inputs):
+            loss = engine.run(inputs, reduction)
         member_promotions = mode.promotions + build_mode.promotions
         promotions += member_promotions
         stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
                  "store_budget": engine.store.budget, "fixed_estimate": fixed,
                  "disk_written": stats.get("disk_written", 0) + engine.store.written + engine.journal.written}  # fmt: skip
-        (work / member / "end.json").write_text(
-            json.dumps({"loss": loss, "order": engine.order, "promotions": member_promotions})
-        )
+        workdir.write_end(work, work / member, {"loss": loss, "order": engine.order, "promotions": member_promotions})
         losses.append(loss)
         orders.append(engine.order)
         del engine
@@ -96,7 +107,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 if distributed.mine(k):
                     units = read_journal(work / member, "unit")
                     end = json.loads((work / member / "end.json").read_text())
-                    distributed.send_parts(member, {"end": end, "units": units}, [work / member / u["file"] for u in units])
+                    distributed.send_parts(
+                        member, {"end": end, "units": units, "resumed": resumed}, [work / member / u["file"] for u in units]
+                    )
             distributed.finish()  # rank 0 has published the bundle: this rank's journals are no longer needed
             shutil.rmtree(work, ignore_errors=True)
             return out
@@ -107,11 +120,14 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 part = distributed.recv_parts(member, distributed.owner(k), work / member)
                 (work / member / "journal.jsonl").write_text("".join(json.dumps(u) + "\n" for u in part["units"]))
                 by_member[member] = (part["end"]["loss"], part["end"]["order"])
+                resumed = resumed or bool(part.get("resumed"))  # the run resumed if any rank took over finished work
         losses, orders = [by_member[m][0] for m in members], [by_member[m][1] for m in members]
     kind = "oracle" if dtype == "fp64" else "emulation"
     with BundleWriter(out, kind, overwrite=overwrite) as w:
         w.manifest.update(base)
         w.manifest["streaming"] = {"max_memory": budget, "peak_rss": max_rss_bytes(), "resumed": resumed, **stats}
+        if notes:
+            w.manifest["streaming"]["recomputed"] = notes
         if ranks > 1:
             w.manifest["ranks"] = ranks
         if kind == "oracle":
@@ -127,6 +143,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
             )  # fmt: skip
         for member in members:
             for rec in read_journal(work / member, "unit"):
+                if not workdir.FILE_NAME.fullmatch(str(rec.get("file"))):  # never a path out of the folder
+                    raise BundleError(f"{work / member / JOURNAL_NAME}: a record names {rec.get('file')!r}; "
+                                      f"delete {work} and run again")  # fmt: skip
                 src = work / member / rec["file"]
                 dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
                 src.rename(dst)

@@ -38,8 +38,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from ...errors import UsageError
 from ...precision.mode import PrecisionMode
 from ..loss import chunked_head
 from ..setup import use_replay_attention
+from . import workdir
 from .embedding import UsedRows, by_rows, write_dense
 from .head import CaptureHead
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
@@ -86,8 +87,21 @@ def _trim() -> None:
 class _Call:
     """One call of one unit: what its backward needs."""
 
-    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen",
-                 "producers", "keep")
+    __slots__ = (
+        "unit",
+        "index",
+        "handle",
+        "leaves",
+        "spec",
+        "tensor_pos",
+        "requires",
+        "low",
+        "out_spec",
+        "out_pos",
+        "gen",
+        "producers",
+        "keep",
+    )
 
     def __init__(self, unit: str, index: int):
         self.unit, self.index = unit, index
@@ -394,15 +408,17 @@ class _Journal:
         self.dir = work / member
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / JOURNAL
+        self.work = work
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
         self.dropped: set[tuple[str, int]] = set()
         self.written = 0  # bytes of the files written (shards and input gradients)
-        for rec in read_journal(self.dir):
+        records, self.note = workdir.valid_records(work, self.dir)  # signed, inside, hash-checked; else cut there
+        for rec in records:
             if rec["kind"] == "drop":
                 self.dropped.add((rec["unit"], rec["index"]))
                 continue
-            if not (self.dir / rec["file"]).is_file():
+            if not (self.dir / rec["file"]).is_file():  # a call whose input gradients were dropped
                 continue
             if rec["kind"] == "unit":
                 self.units[rec["unit"]] = rec
@@ -412,7 +428,7 @@ class _Journal:
 
     def _append(self, rec: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(workdir.seal(self.work, rec)) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -460,7 +476,8 @@ class _Journal:
         tensors["__n__"] = torch.tensor(len(grads))
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
-        self._append({"kind": "call", "unit": unit, "index": index, "file": f})
+        sha = {k: tensor_sha256(t) for k, t in tensors.items()}
+        self._append({"kind": "call", "unit": unit, "index": index, "file": f, "sha256": sha})
 
     def new_shard(self) -> Path:
         self._shard += 1
@@ -469,7 +486,8 @@ class _Journal:
     def commit_file(self, unit: str, path: Path, entries: dict[str, dict]) -> None:
         """A shard written elsewhere (by rows, oracle/bundle/rows.py), fsynced and in place: journalled."""
         self.written += path.stat().st_size
-        rec = {"kind": "unit", "unit": unit, "file": path.name, "entries": entries}
+        rec = {"kind": "unit", "unit": unit, "file": path.name, "entries": entries,
+               "sha256": {n: e["sha256"] for n, e in entries.items()}}  # fmt: skip
         self.units[unit] = rec
         self._append(rec)
 
@@ -484,7 +502,13 @@ class _Journal:
             entries[n] = {"dtype": str(g.dtype).removeprefix("torch."), "shape": list(g.shape),
                           "sha256": tensor_sha256(g), "value_sha256": value_sha256(g)}  # fmt: skip
         self._save(grads, self.dir / f)
-        rec = {"kind": "unit", "unit": unit, "file": f, "entries": entries}
+        rec = {
+            "kind": "unit",
+            "unit": unit,
+            "file": f,
+            "entries": entries,
+            "sha256": {n: e["sha256"] for n, e in entries.items()},
+        }
         self.units[unit] = rec
         self._append(rec)
 
@@ -509,21 +533,13 @@ def _slug(name: str) -> str:
 
 
 # -- the work directory ---------------------------------------------------------------------------
-def work_dir(out: Path, header: dict[str, Any]) -> tuple[Path, bool]:
-    """``.NAME.partial`` beside ``out``: reused (resume) when its header equals this run's, else new."""
-    work = out.parent / f".{out.name}.partial"
-    head = work / "header.json"
-    if work.exists():
-        try:
-            same = json.loads(head.read_text()) == header
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if same:
-            return work, True
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    head.write_text(json.dumps(header, sort_keys=True))
-    return work, False
+def work_dir(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> tuple[Path, bool]:
+    """``.NAME.partial`` beside ``out``: adopted (resume) only when it is ours for this run, a new one
+    otherwise; a folder that is not ours is never touched (streaming/workdir.py, exit 6)."""
+    return workdir.open_work(out, header, overwrite=overwrite)
+
+
+MAX_SIZE = 1 << 60  # 1 EiB: larger is a typo, not a budget
 
 
 def parse_size(spec: str) -> int:
@@ -531,15 +547,14 @@ def parse_size(spec: str) -> int:
     s = spec.strip().upper().removesuffix("B").removesuffix("I")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
-        if s and s[-1] in units:
-            value = int(float(s[:-1]) * units[s[-1]])
-        else:
-            value = int(float(s))
+        number = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
     except ValueError:
         raise UsageError(f"--max-memory {spec!r}: expected a size such as 16G, 512M or 1.5T") from None
-    if value <= 0:
+    if not math.isfinite(number) or number > MAX_SIZE:  # inf, nan, 1e400 (float() reads it as inf)
+        raise UsageError(f"--max-memory {spec!r}: expected a finite size of at most 1 EiB, such as 16G, 512M or 1.5T")
+    if int(number) <= 0:
         raise UsageError(f"--max-memory {spec!r} must be positive")
-    return value
+    return int(number)
 
 
 def rss_bytes() -> int:

@@ -23,6 +23,7 @@ import torch
 
 from ... import precision as precisions
 from ...bundle.store import Bundle
+from ...capture.packing import check_boundaries
 from ...precision.mode import PrecisionMode
 from .materialize import skeleton
 
@@ -47,8 +48,9 @@ def _samples(cap: Bundle, total: int) -> list[int]:
     the text positions (1-D/2-D ids, or the first of 4 mRoPE rows) restarting, as transformers
     detects packing; 3-row mRoPE positions carry no text row: one sample."""
     tensors = cap.manifest["tensors"].get("inputs", {})
-    if "cu_seqlens" in tensors:
-        cu = cap.load("inputs", "cu_seqlens").reshape(-1).tolist()
+    if "cu_seqlens" in tensors:  # validated as the replay would (capture/packing.check_boundaries, exit 4)
+        cu = check_boundaries({n: cap.load("inputs", n) for n in ("cu_seqlens", "position_ids", "input_ids", "tokens")
+                               if n in tensors}, str(cap.path))  # fmt: skip
         return [b - a for a, b in zip(cu, cu[1:])]
     if "position_ids" not in tensors:
         return [total]

@@ -1,0 +1,231 @@
+"""The streamed replay's work folder ``.NAME.partial``: ours, or left untouched.
+
+A work folder holds what a killed run had finished (gradient shards, input gradients, a journal per
+member); a rerun of the same command adopts it and continues. A folder of that name may also be
+the user's own, another tool's, a run of another step, or ours but damaged. Rules:
+
+- ``header.json`` is signed: HMAC-SHA256 with this user's key (``$XDG_CACHE_HOME/oracle/work.key``,
+  else ``~/.cache/oracle/work.key``, 32 random bytes made 0600 on first use) over the header's
+  canonical JSON: what made it (``made_by``), the oracle version, the step's fingerprint, the
+  command (dtype, ensemble, threads, ranks, the --out name) and a random nonce. A folder is adopted
+  only if its header verifies and equals this run's. Anything else is left exactly as it is and
+  named (OutputExists, exit 6); never deleted, never moved. With ``--overwrite`` a folder whose
+  header verifies (ours) but describes another run is replaced; a foreign one never is.
+- Every journal record (one JSON line) carries a MAC over the header's nonce and the record, so
+  records are bound to this folder; its file must be a plain name of the form we write
+  (``shard-00001.safetensors``, ``gin-<12 hex>-<call>.safetensors``), a regular file inside the
+  member's folder (no symlink), and every tensor in it must match the sha256 recorded at write.
+- A record that fails any check is where the run resumes from: the journal is an append-only log
+  of completed work in completion order, so every prefix of it is a state the run passed through
+  (as if killed there). The journal is cut back to the valid prefix (rewritten atomically), the
+  member's ``end.json`` dropped, and what follows is recomputed; damaged work files are thereby
+  never published. The cut is reported (``notes``), not raised.
+Where the key cannot be made (a read-only home) a fixed key is used: the header then still proves
+the folder was written by this tool for this step, not by whom.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from ...bundle.store import tensor_sha256
+from ...errors import OutputExists
+
+MADE_BY = "oracle streaming replay work folder"
+HEADER, JOURNAL, END = "header.json", "journal.jsonl", "end.json"
+FILE_NAME = re.compile(r"(shard-\d{5}|gin-[0-9a-f]{12}-\d{1,9})\.safetensors")
+UNKEYED = b"oracle-work-folder-unkeyed"
+_KEY: bytes | None = None
+
+
+def key() -> bytes:
+    """This user's signing key, made on first use (0600, exclusive create: two first runs agree)."""
+    global _KEY
+    if _KEY is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oracle"
+        path = root / "work.key"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(32))
+            except FileExistsError:
+                pass
+            k = path.read_bytes()
+            _KEY = k if len(k) == 32 else UNKEYED
+        except OSError:
+            _KEY = UNKEYED
+    return _KEY
+
+
+def _mac(*parts: Any) -> str:
+    msg = "\n".join(json.dumps(p, sort_keys=True) for p in parts).encode()
+    return hmac.new(key(), msg, hashlib.sha256).hexdigest()
+
+
+def _same(got: str, want: str) -> bool:
+    """Constant-time comparison of a MAC read from a file (any text, non-ASCII included) with ours."""
+    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want.encode())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _signed(d: Any) -> dict | None:
+    """``d`` without its mac if the mac verifies, else None."""
+    if not isinstance(d, dict) or not isinstance(d.get("mac"), str):
+        return None
+    body = {k: v for k, v in d.items() if k != "mac"}
+    return body if _same(d["mac"], _mac(body)) else None
+
+
+def _differences(have: dict, want: dict) -> list[str]:
+    keys = sorted((set(have) | set(want)) - {"nonce"})
+    return [f"{k} {have.get(k)!r} (this run: {want.get(k)!r})" for k in keys if have.get(k) != want.get(k)][:3]
+
+
+def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> tuple[Path, bool]:
+    """``.NAME.partial`` beside ``out``: ``(path, adopted)``. A new folder is made with a signed header;
+    an existing one is adopted only if its header verifies and describes this run, else OutputExists."""
+    work = out.parent / f".{out.name}.partial"
+    want = {"made_by": MADE_BY, **header}
+    if work.exists() or work.is_symlink():
+        have = _signed(_read_json(work / HEADER)) if work.is_dir() and not work.is_symlink() else None
+        if have is not None and {k: v for k, v in have.items() if k != "nonce"} == want:
+            _NONCES[str(work.resolve())] = have["nonce"]
+            return work, True
+        if have is not None and have.get("made_by") == MADE_BY and overwrite:
+            shutil.rmtree(work)  # ours (the header verifies), of another run: --overwrite replaces it
+        else:
+            why = (f"it is this tool's work folder of another run ({'; '.join(_differences(have, want))})"
+                   if have is not None else "it holds no header signed by this tool for this user (not ours, or damaged)")  # fmt: skip
+            fix = ("rerun the command that made it to resume, pass --overwrite to replace it, or delete it"
+                   if have is not None else "if it is not yours to keep, delete or move it yourself; or choose another --out")  # fmt: skip
+            raise OutputExists(f"work folder {work} exists and was left as it is: {why}; {fix}")
+    work.mkdir(parents=True)
+    body = {**want, "nonce": secrets.token_hex(16)}
+    _NONCES[str(work.resolve())] = body["nonce"]
+    tmp = work / f".{HEADER}.tmp"
+    tmp.write_text(json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
+    os.replace(tmp, work / HEADER)
+    return work, False
+
+
+_NONCES: dict[str, str] = {}
+
+
+def nonce(work: Path) -> str:
+    """The nonce of an open (verified or new) work folder's header (read once per folder)."""
+    k = str(work.resolve())
+    if k not in _NONCES:
+        _NONCES[k] = (_read_json(work / HEADER) or {}).get("nonce", "")
+    return _NONCES[k]
+
+
+def seal(work: Path, rec: dict[str, Any]) -> dict[str, Any]:
+    """``rec`` with its MAC, bound to this work folder."""
+    return {**rec, "mac": _mac(nonce(work), rec)}
+
+
+def _opened(work: Path, d: Any) -> dict | None:
+    if not isinstance(d, dict) or not isinstance(d.get("mac"), str):
+        return None
+    body = {k: v for k, v in d.items() if k != "mac"}
+    return body if _same(d["mac"], _mac(nonce(work), body)) else None
+
+
+def _check_file(member_dir: Path, rec: dict) -> str | None:
+    """Why the record's file cannot be adopted, or None: a plain name we write, a regular file inside
+    the member's folder, every tensor's sha256 as recorded."""
+    f = rec.get("file")
+    if not isinstance(f, str) or not FILE_NAME.fullmatch(f):
+        return f"names a file {f!r} this tool does not write"
+    path = member_dir / f
+    if path.is_symlink() or not path.is_file() or path.resolve().parent != member_dir.resolve():
+        return f"{f} is missing or not a regular file inside the folder"
+    hashes = rec.get("sha256")
+    if not isinstance(hashes, dict):
+        return f"{f} has no recorded hashes"
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            if sorted(st.keys()) != sorted(hashes):
+                return f"{f} holds other tensors than recorded"
+            for name, want in hashes.items():
+                if tensor_sha256(st.get_tensor(name)) != want:
+                    return f"{f}: tensor {name} does not match its sha256"
+    except Exception as e:  # a truncated or garbled safetensors file: its header or data cannot be read
+        return f"{f} is not a readable safetensors file ({type(e).__name__})"
+    return None
+
+
+def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]:
+    """The journal's records up to the first that fails its MAC or its file's checks (a line cut by a
+    kill ends it too); the journal is cut back to them. -> (records without their MACs, a note naming
+    what was dropped, or None)."""
+    path = member_dir / JOURNAL
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    good: list[str] = []
+    recs: list[dict] = []
+    note = None
+    dropped = set()  # calls whose input gradients a later (signed) record dropped: their files are gone by design
+    for line in lines:
+        try:
+            d = _opened(work, json.loads(line))
+        except ValueError:
+            d = None
+        if d is not None and d.get("kind") == "drop":
+            dropped.add((d.get("unit"), d.get("index")))
+    for i, line in enumerate(lines):
+        try:
+            raw, torn = json.loads(line), False
+        except ValueError:
+            raw, torn = None, True
+        rec = _opened(work, raw)
+        if rec is None:
+            why = "is not valid JSON" if torn else "is not signed for this folder"
+        elif rec.get("kind") == "drop" or (rec.get("kind") == "call" and (rec.get("unit"), rec.get("index")) in dropped):
+            why = None
+        else:
+            why = _check_file(member_dir, rec) if rec.get("kind") in ("unit", "call") else "is of an unknown kind"
+        if why is not None:
+            if not (torn and i == len(lines) - 1):  # a torn last line is an ordinary kill, not news
+                note = f"{member_dir.name}: journal record {i + 1} {why}; recomputing from there"
+            break
+        good.append(line)
+        recs.append(rec)
+    if len(good) < len(lines):
+        tmp = member_dir / f".{JOURNAL}.tmp"
+        tmp.write_text("".join(ln + "\n" for ln in good))
+        os.replace(tmp, path)
+        (member_dir / END).unlink(missing_ok=True)
+    return recs, note
+
+
+def write_end(work: Path, member_dir: Path, end: dict[str, Any]) -> None:
+    tmp = member_dir / f".{END}.tmp"
+    tmp.write_text(json.dumps(seal(work, end)))
+    os.replace(tmp, member_dir / END)
+
+
+def read_end(work: Path, member_dir: Path) -> dict[str, Any] | None:
+    """A member's end record if it verifies and its whole journal does, else None (recompute)."""
+    if not (member_dir / END).is_file():
+        return None
+    _, note = valid_records(work, member_dir)
+    end = _opened(work, _read_json(member_dir / END)) if note is None else None
+    return end if end is not None and {"loss", "order", "promotions"} <= set(end) else None

@@ -1,0 +1,162 @@
+"""The streamed replay's work folder is ours or untouched (issue 21, item 2): a `.OUT.partial` is
+adopted only when its signed header names this step and command; every journal record is signed,
+names a file of ours inside the folder, and is hash-checked; a bad one is where the run resumes
+from (recomputed, never published); anything not ours is left in place and named, exit 6."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from oracle.bundle.store import Bundle
+from oracle.errors import OutputExists, UsageError
+from oracle.replay.run import replay
+from oracle.replay.streaming import engine, workdir
+
+BUDGET = 8 << 30
+
+
+class Stop(Exception):
+    """Stands in for a kill after some units have finished their backward."""
+
+
+@pytest.fixture(autouse=True)
+def _own_key(tmp_path_factory, monkeypatch):
+    """The signing key lives under this test session's cache folder, never the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setattr(workdir, "_KEY", None)
+
+
+@pytest.fixture(scope="module")
+def whole(fp32_capture, tmp_path_factory):
+    """An uninterrupted streamed oracle (same process, same threads) to compare resumed ones with."""
+    return str(replay(fp32_capture, tmp_path_factory.mktemp("whole") / "o", max_memory=BUDGET))
+
+
+def interrupted(cap, out: Path, monkeypatch, units: int = 3) -> Path:
+    """Run a streamed replay into ``out`` and stop it once ``units`` units are journalled; -> its work folder."""
+    real = engine._Journal.write_unit
+    count = {"n": 0}
+
+    def stop_after(self, unit, grads):
+        real(self, unit, grads)
+        count["n"] += 1
+        if count["n"] >= units:
+            raise Stop
+
+    monkeypatch.setattr(engine._Journal, "write_unit", stop_after)
+    with pytest.raises(Exception) as e:
+        replay(cap, out, max_memory=BUDGET)
+    assert "Stop" in repr(e.value) or isinstance(e.value, Stop)
+    monkeypatch.setattr(engine._Journal, "write_unit", real)
+    work = out.parent / f".{out.name}.partial"
+    assert len(workdir.valid_records(work, work / "grads")[0]) >= units
+    return work
+
+
+def assert_bitwise(a, b):
+    ga, gb = Bundle(a), Bundle(b)
+    assert ga.names("grads") == gb.names("grads")
+    assert [n for n in ga.names("grads") if not torch.equal(ga.load("grads", n), gb.load("grads", n))] == []
+
+
+def _cli(*args):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
+    return res
+
+
+def test_a_user_folder_named_like_the_work_folder_is_never_touched(fp32_capture, tmp_path):
+    """`.o.partial` holding the user's file: exit 6 naming it, with or without --overwrite; nothing moved or deleted."""
+    mine = tmp_path / ".o.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for extra in ([], ["--overwrite"]):
+        res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", *extra)
+        assert res.exit_code == 6 and ".o.partial" in res.output and "left as it is" in res.output, res.output
+        assert sorted(os.listdir(mine)) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    # a forged header (right fields, no valid signature) is not ours either
+    (mine / "header.json").write_text(json.dumps({"made_by": workdir.MADE_BY, "nonce": "0", "mac": "0" * 64}))
+    assert _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G").exit_code == 6
+    assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "o").exists()
+
+
+def test_a_work_folder_of_another_run_is_named_and_replaced_only_with_overwrite(fp32_capture, tmp_path, monkeypatch, whole):
+    """Ours for --threads N, rerun with another count: exit 6 naming the field; --overwrite replaces it."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch)
+    head = json.loads((work / "header.json").read_text())
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads + 1)
+    try:
+        with pytest.raises(OutputExists, match="another run .*threads"):
+            replay(fp32_capture, tmp_path / "o", max_memory=BUDGET)
+        assert json.loads((work / "header.json").read_text()) == head
+    finally:
+        torch.set_num_threads(torch_threads)
+    torch.set_num_threads(torch_threads + 1)
+    try:
+        replay(fp32_capture, tmp_path / "o", max_memory=BUDGET, overwrite=True)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert Bundle(tmp_path / "o").get("streaming")["resumed"] is False and not work.exists()
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["forged", "signed-with-our-key"])
+def test_a_journal_record_naming_a_path_outside_moves_nothing(fp32_capture, tmp_path, monkeypatch, whole, signed):
+    """A record naming ../x.safetensors (forged, or even carrying a valid MAC): the user's file stays where it is,
+    the run resumes before that record and ends bitwise equal to an uninterrupted one."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch)
+    victim = tmp_path / "x.safetensors"
+    victim.write_bytes(b"user data")
+    rec = {"kind": "unit", "unit": "model.language_model.layers.0", "file": "../../x.safetensors", "entries": {}, "sha256": {}}
+    line = workdir.seal(work, rec) if signed else {**rec, "mac": "0" * 64}
+    with open(work / "grads" / "journal.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    replay(fp32_capture, tmp_path / "o", max_memory=BUDGET)
+    assert victim.read_bytes() == b"user data"
+    assert_bitwise(tmp_path / "o", whole)
+    st = Bundle(tmp_path / "o").get("streaming")
+    assert st["resumed"] is True and any("record" in n for n in st["recomputed"])
+
+
+@pytest.mark.parametrize("damage", ["missing-shard", "flipped-shard", "truncated-gin", "garbled-journal"])
+def test_a_damaged_work_file_is_recomputed_never_published(fp32_capture, tmp_path, monkeypatch, whole, damage):
+    """A shard deleted or bit-flipped, an input-gradient file truncated, a journal line garbled: the rerun
+    exits 0 with no traceback, names what it recomputed, and its oracle is bitwise the uninterrupted one."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch, units=4)
+    member = work / "grads"
+    shards = sorted(member.glob("shard-*.safetensors"))
+    gins = sorted(member.glob("gin-*.safetensors"))
+    if damage == "missing-shard":
+        shards[1].unlink()
+    elif damage == "flipped-shard":
+        raw = bytearray(shards[1].read_bytes())
+        raw[-3] ^= 0x40
+        shards[1].write_bytes(bytes(raw))
+    elif damage == "truncated-gin":
+        assert gins, "no input-gradient file was journalled"
+        gins[0].write_bytes(gins[0].read_bytes()[:40])
+    else:
+        lines = (member / "journal.jsonl").read_text().splitlines()
+        lines[1] = lines[1].replace('"unit"', '"unlt"', 1)
+        (member / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
+    assert res.exit_code == 0, res.output
+    assert "recomputing from there" in res.output, res.output
+    assert_bitwise(tmp_path / "o", whole)
+    Bundle(tmp_path / "o").load_group("grads")  # every published hash holds
+
+
+def test_a_replay_refused_for_its_budget_leaves_no_work_folder(fp32_capture, tmp_path):
+    """--max-memory below one unit: exit 2, no `.o.partial`; the next run is not '(resumed)' (issue 20 papercut)."""
+    with pytest.raises(UsageError, match="--max-memory"):
+        replay(fp32_capture, tmp_path / "o", max_memory=1 << 20)
+    assert not (tmp_path / ".o.partial").exists()
+    res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G")
+    assert res.exit_code == 0 and "(resumed)" not in res.output, res.output
