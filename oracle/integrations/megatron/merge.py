@@ -269,7 +269,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                     merged_g = (kept,)
                     if finding is not None:
                         unreduced.append(finding)
-                        framework[hf[0]] = per_rank_g[0]
+                        framework.update({f"{hf[0]}|tp{r}": g for r, g in enumerate(per_rank_g)})
                 elif kind in ("norm", "copy"):
                     if stage == "pre-finalize" and partial:
                         merged_g = (torch.stack([g.double() for g in per_rank_g]).sum(0).to(per_rank_g[0].dtype),)

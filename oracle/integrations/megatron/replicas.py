@@ -10,7 +10,8 @@ Hugging Face modules (0.13 added one). This is the framework's behaviour, on eve
 What merge writes for such a parameter (HF name p, rank r's copy g_r, all in float64):
     grads/p              sum_r g_r: what a correct reduction would hold where each g_r covers
                          a disjoint part of the step (the deepstack mergers: sum == the TP 1 gradient)
-    framework_grads/p    g_0: what the framework left on rank 0 (every rank differs)
+    framework_grads/p|tpR  g_R for every TP rank R: what the framework left on each rank (one
+                         more copy of the replicated tensors per rank: the ViT's size x TP)
     megatron.unreduced   [{hf, mcore, spread = max_r ||g_r - g_0|| / ||g_0||, stage}]
 Whether sum_r g_r is the full gradient (partial sums of disjoint parts) or not (a full part plus a
 per-rank part, as for the ViT blocks feeding the deepstack mergers) is decided against the oracle
@@ -48,5 +49,5 @@ def finding_text(unreduced: list[dict[str, Any]]) -> str:
     names = [u["hf"] for u in unreduced]
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     return (f"framework finding: {len(names)} replicated gradient(s) differ between TP ranks and were never reduced "
-            f"by finalize_model_grads ({shown}); the merged capture holds their sum over TP ranks, rank 0's copy is "
+            f"by finalize_model_grads ({shown}); the merged capture holds their sum over TP ranks, each rank's copy is "
             "kept as framework_grads")  # fmt: skip
