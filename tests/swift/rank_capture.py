@@ -57,8 +57,12 @@ def _patch_peer() -> None:
 
     def args_as_swift_sets_them(*a, **k):
         args = make_args(*a, **k)
-        if args.disable_bias_linear is None:  # MegatronArguments.__post_init__ (peer.py skips it): Qwen3 has no biases
+        # as MegatronArguments.__post_init__ sets them (peer.py skips it): Qwen3 has no linear biases, and
+        # ms-swift's bridge lays q/k/v out per query group only with group_query_attention set
+        if args.disable_bias_linear is None:
             args.disable_bias_linear = True
+        if args.group_query_attention is None:
+            args.group_query_attention = (args.num_query_groups or 1) > 1
         if os.environ.get("ORACLE_RANK_RECOMPUTE") == "1":
             args.recompute_granularity, args.recompute_method, args.recompute_num_layers = "full", "uniform", 1
         return args

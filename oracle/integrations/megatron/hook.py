@@ -40,7 +40,7 @@ from ...bundle.store import BundleWriter
 from ...capture.api import describe_device, gradient_of, versions
 from ...precision import name_of_param_dtype
 from .layout import padded_vocab
-from .runinfo import hf_config_of, label_convention, numerics_of, param_origins, seq_lengths
+from .runinfo import hf_config_of, label_convention, numerics_of, param_origins, rope_of, seq_lengths
 
 STAGES = ("pre-finalize", "post-finalize")
 _CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -182,7 +182,7 @@ def capture_rank(
     if calculate_per_token_loss is None:
         calculate_per_token_loss = bool(config.get("calculate_per_token_loss", True))
     hf = hf_config_of(model)
-    numerics = numerics_of(_transformer_config(model), args)
+    numerics = {**numerics_of(_transformer_config(model), args), **rope_of(hf)}
     run_args = numerics.get("args") or {}
     if make_vocab_size_divisible_by is None and run_args.get("make_vocab_size_divisible_by"):
         make_vocab_size_divisible_by = int(run_args["make_vocab_size_divisible_by"])
@@ -219,7 +219,7 @@ def capture_rank(
                 "vocab": vocab,
                 "labels": label_convention(batch, labels_shift),
                 "numerics": numerics,
-                "seq_lengths": seq_lengths(packed.get("cu_seqlens"), batch.get("labels")),
+                "seq_lengths": seq_lengths(packed.get("cu_seqlens"), batch.get("labels"), batch.get("tokens", batch.get("input_ids"))),
             },  # fmt: skip
         )
         w.add("inputs", {**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **packed})

@@ -4,9 +4,9 @@ convention of the batch, the settings that change numerics, and the sequence len
 attention kernel received. Everything here only reads attributes; nothing is guessed silently
 (an undecidable label convention is recorded as ``ambiguous``, with the counts).
 
-Replicated transformers modules (structure, not names): a parameter whose owning module's class
-comes from the ``transformers`` package, or that sits under a wrapper holding a transformers
-model (megatron-core's / ms-swift's ``HuggingFaceModule``: ``_hf_model``), and that carries no
+Replicated transformers modules (structure, not names): a parameter inside a module whose class
+comes from the ``transformers`` package, or inside a wrapper holding a transformers model
+(megatron-core's / ms-swift's ``HuggingFaceModule``: ``_hf_model``), and that carries no
 ``tensor_model_parallel`` mark, is the same full tensor on every TP rank in transformers'
 layout (ms-swift 3.12's Qwen3-VL vision tower). Merge copies it and never splits it by name.
 
@@ -74,23 +74,25 @@ def hf_config_of(model: nn.Module) -> dict[str, Any] | None:
 
 
 def param_origins(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Per parameter name: ``owner`` (the class of the module that holds it) and ``replica``
-    (a transformers module held whole on every TP rank, see the module docstring)."""
+    """Per parameter name: ``owner`` (the class of the module that holds it), ``hf_module`` (the
+    outermost transformers module or HF wrapper above it, or None) and ``replica`` (held whole on
+    every TP rank in transformers' layout, see the module docstring)."""
     out: dict[str, dict[str, Any]] = {}
 
-    def walk(mod: nn.Module, prefix: str, wrapped: bool) -> None:
-        wrapped = wrapped or hasattr(mod, "_hf_model") or any(c.__name__ == "HuggingFaceModule" for c in type(mod).__mro__)
+    def walk(mod: nn.Module, prefix: str, within: str | None) -> None:
         cls = type(mod)
-        from_hf = cls.__module__.startswith("transformers.")
+        if within is None and (cls.__module__.startswith("transformers.") or hasattr(mod, "_hf_model")
+                               or any(c.__name__ == "HuggingFaceModule" for c in cls.__mro__)):  # fmt: skip
+            within = f"{cls.__module__}.{cls.__qualname__}"  # the subtree is a transformers module
         for n, p in mod.named_parameters(recurse=False):
             name = prefix + n
             if name not in out:
-                out[name] = {"owner": f"{cls.__module__}.{cls.__qualname__}",
-                             "replica": (from_hf or wrapped) and not getattr(p, "tensor_model_parallel", False)}  # fmt: skip
+                out[name] = {"owner": f"{cls.__module__}.{cls.__qualname__}", "hf_module": within,
+                             "replica": within is not None and not getattr(p, "tensor_model_parallel", False)}  # fmt: skip
         for cn, child in mod.named_children():
-            walk(child, f"{prefix}{cn}.", wrapped)
+            walk(child, f"{prefix}{cn}.", within)
 
-    walk(model, "", False)
+    walk(model, "", None)
     return out
 
 
@@ -148,15 +150,29 @@ def numerics_of(config: Any, args: Any = None) -> dict[str, Any]:
     return out
 
 
-def seq_lengths(cu_seqlens: torch.Tensor | None, labels: torch.Tensor | None = None) -> dict[str, Any] | None:
+def rope_of(hf: dict[str, Any] | None) -> dict[str, Any]:
+    """mRoPE section and interleaving from the run's HF config (``rope_scaling`` in transformers 4,
+    ``rope_parameters`` in 5); {} when it records none."""
+    text = (hf or {}).get("text_config") or hf or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return {}
+    return {f"hf_{k}": rope[k] for k in ("mrope_section", "mrope_interleaved", "rope_type") if k in rope}
+
+
+def seq_lengths(cu_seqlens: torch.Tensor | None, labels: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> dict[str, Any] | None:  # fmt: skip
     """The sequence-length list the attention kernel received (cu_seqlens differences; MindSpeed's
     ``actual_seq_qlen`` is cu_seqlens itself) and how many are 1-token samples (packing with SP
-    padding makes each pad token its own sample)."""
+    padding makes each pad token its own sample); unpacked: one row per sample."""
     if cu_seqlens is None:
-        return None
+        if tokens is None or tokens.dim() != 2:
+            return None
+        return {"packed": False, "lengths": [int(tokens.shape[1])] * int(tokens.shape[0]), "one_token_samples": 0}
     cu = cu_seqlens.detach().cpu().long().reshape(-1)
     lengths = (cu[1:] - cu[:-1]).tolist()
-    out = {"cu_seqlens": cu.tolist(), "lengths": lengths, "one_token_samples": sum(1 for n in lengths if n == 1)}
+    out = {"packed": True, "cu_seqlens": cu.tolist(), "lengths": lengths,
+           "one_token_samples": sum(1 for n in lengths if n == 1)}  # fmt: skip
     if labels is not None and out["one_token_samples"]:
         flat = labels.detach().cpu().reshape(-1)
         starts = [int(a) for a, n in zip(cu[:-1].tolist(), lengths) if n == 1 and int(a) < flat.numel()]
