@@ -42,10 +42,10 @@ def _free_port() -> int:
 
 
 def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_dir: str | None = None,
-        timeout: float = 600.0, env: dict | None = None) -> dict:  # fmt: skip
-    """Run one step at TP ``tp`` (sequence parallel ``sp``), ``dtype`` in {fp32, bf16}, one process
-    per TP rank; returns the per-rank meta (also in ``OUT/raw/rankN/meta.json``). ``env`` is added
-    to the ranks' environment (e.g. ``ORACLE_CAPTURE``)."""
+        timeout: float = 600.0, env: dict | None = None, pp: int = 1) -> dict:  # fmt: skip
+    """Run one step at TP ``tp`` (sequence parallel ``sp``) x PP ``pp``, ``dtype`` in {fp32, bf16},
+    one process per rank (TP fastest); returns the per-rank meta (also in
+    ``OUT/raw/rankN/meta.json``). ``env`` is added to the ranks' environment (e.g. ``ORACLE_CAPTURE``)."""
     import subprocess
 
     assert dtype in ("fp32", "bf16"), dtype
@@ -58,11 +58,13 @@ def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_
     tiny.write_model_dir(model_dir)
     port = _free_port()
     procs = []
-    for rank in range(tp):
+    world = tp * pp
+    for rank in range(world):
         e = dict(os.environ, **(env or {}))
-        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
+        e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                  LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # fmt: skip
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, model_dir, str(tp), str(int(sp)), dtype]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, model_dir, str(tp), str(int(sp)), dtype,
+               str(pp)]
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT), log))
     t0 = time.time()
@@ -83,7 +85,7 @@ def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_
         tail = open(os.path.join(out_dir, f"rank{failed[0][0]}.log")).read()[-6000:]
         raise RuntimeError(f"peer ranks failed {failed}; rank {failed[0][0]} log tail:\n{tail}")
     metas = []
-    for rank in range(tp):
+    for rank in range(world):
         with open(os.path.join(out_dir, "raw", f"rank{rank}", "meta.json")) as f:
             metas.append(json.load(f))
     return {"ranks": metas, "wall_s": time.time() - t0, "hf_dir": model_dir}
@@ -92,7 +94,7 @@ def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_
 # --------------------------------------------------------------------------- inside a rank
 
 
-def make_args(model_dir: str, tp: int, sp: bool, dtype: str):
+def make_args(model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1):
     """Megatron/ms-swift arguments: ms-swift's own dataclass defaults, the model fields converted by
     ms-swift's ``convert_hf_config`` from the HF config, then the CPU settings (no fusions, no TE)."""
     import dataclasses
@@ -112,11 +114,16 @@ def make_args(model_dir: str, tp: int, sp: bool, dtype: str):
             a[f.name] = f.default_factory()
     hf = AutoConfig.from_pretrained(model_dir)
     a.update(convert_hf_config(hf))
+    ns = SimpleNamespace(**a)
+    MegatronArguments._set_default(ns)  # ms-swift's own defaults (biases off, qk norm, ...), as __post_init__
+    a = vars(ns)
+    a["add_bias_linear"] = not a["disable_bias_linear"]  # as Megatron-LM's argument parser derives it
+    a["group_query_attention"] = a["num_query_groups"] > 1  # as MegatronArguments.__post_init__ sets it
     bf16 = dtype == "bf16"
     a.update(
         model_dir=model_dir, hf_model_type="qwen3_vl", is_multimodal=True, task_type="causal_lm",
         torch_dtype=torch.bfloat16 if bf16 else torch.float32, padding_free=False, packing=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
         expert_model_parallel_size=1, expert_tensor_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         sequence_parallel=sp, micro_batch_size=1, global_batch_size=1, data_parallel_size=1,
         fp16=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -135,7 +142,7 @@ def make_args(model_dir: str, tp: int, sp: bool, dtype: str):
         rotary_seq_len_interpolation_factor=None, fp16_lm_cross_entropy=False, enable_dft_loss=False,
         enable_channel_loss=False, check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=False,
         distributed_timeout_minutes=10, use_hf=False, hub_token=None, qk_l2_norm=False, fp8=None,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, seq_length=None,
+        seq_length=None,
         variable_seq_lengths=True, deterministic_mode=False, use_distributed_optimizer=False,
     )  # fmt: skip
     return SimpleNamespace(**a)
@@ -163,7 +170,7 @@ def _main_grads(model):
     return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
+def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1) -> None:
     sys.path.insert(0, HERE)
     import standins
 
@@ -176,12 +183,12 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     t_start = time.time()
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    args = make_args(model_dir, tp, sp, dtype)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
+    args = make_args(model_dir, tp, sp, dtype, pp)
     standins.set_args(args)
     from megatron.core import mpu
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     from megatron.core.enums import ModelType
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -192,7 +199,8 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
     from swift.megatron.trainers.trainer import MegatronTrainer
 
     standins.SPEC = standins.local_spec_with_sp_norms(args)
-    model = model_provider(pre_process=True, post_process=True)
+    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    model = model_provider(pre_process=first, post_process=last)
     model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
     _bridge_cls()().load_weights(model, model_dir)
     config = get_model_config(model)
@@ -217,6 +225,8 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
         rec["batch"] = _tensors(batch)
         rec["batch_keys"] = sorted(batch)
         return batch
+
+    rec["loss_sum"] = rec["num_tokens"] = None  # only the last pipeline stage has a loss
 
     def recording_loss_func(output_tensor, **k):
         out = loss_func(output_tensor, **k)
@@ -263,9 +273,11 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
     import transformers
 
     meta = {
-        "rank": rank, "tp": tp, "sp": sp, "dtype": dtype, "seq_len": seq, "loss_sum": rec["loss_sum"],
+        "rank": rank, "tp": tp, "sp": sp, "pp": pp, "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+        "tp_rank": mpu.get_tensor_model_parallel_rank(), "dtype": dtype, "seq_len": seq, "loss_sum": rec["loss_sum"],
         "num_tokens": rec["num_tokens"], "finalize_num_tokens": rec["finalize_num_tokens"],
-        "batch_keys": rec["batch_keys"], "reported": {k: [float(x) for x in v] for k, v in (losses[0] or {}).items()},
+        "batch_keys": rec["batch_keys"],
+        "reported": {k: [float(x) for x in v] for k, v in (losses[0] if losses else {}).items()},
         "params": layout, "build_s": t_built - t_start, "step_s": step_s,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "megatron.core": megatron.core.__version__, "ms-swift": swift.__version__},
@@ -277,9 +289,9 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        _, _, out, mdir, tp_, sp_, dt = sys.argv
-        worker(out, mdir, int(tp_), bool(int(sp_)), dt)
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+        _, _, out, mdir, tp_, sp_, dt, pp_ = sys.argv
+        worker(out, mdir, int(tp_), bool(int(sp_)), dt, int(pp_))
     else:
         import argparse
 
@@ -287,10 +299,11 @@ if __name__ == "__main__":
         ap.add_argument("out")
         ap.add_argument("--tp", type=int, default=1)
         ap.add_argument("--sp", action="store_true")
+        ap.add_argument("--pp", type=int, default=1)
         ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
         o = ap.parse_args()
-        info = run(o.out, o.tp, o.sp, o.dtype)
+        info = run(o.out, o.tp, o.sp, o.dtype, pp=o.pp)
         for m in info["ranks"]:
-            print(f"rank {m['rank']}: loss_sum {m['loss_sum']:.6f} tokens {m['num_tokens']} "
+            print(f"rank {m['rank']}: loss_sum {m['loss_sum']} tokens {m['num_tokens']} "
                   f"build {m['build_s']:.1f}s step {m['step_s']:.2f}s")  # fmt: skip
         print(f"wall {info['wall_s']:.1f}s")

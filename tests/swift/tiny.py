@@ -111,11 +111,22 @@ def sample(seq_multiple: int = 2):
     n_img = int(grid.prod()) // 4  # merged tokens
     tok = tokenizer()
     sid = SPECIAL_IDS
-    user = tok("user\nWhat is in the picture?", add_special_tokens=False)["input_ids"]
     answer = tok("A small noisy square.", add_special_tokens=False)["input_ids"] + [sid["<|im_end|>"]]
-    prompt = ([sid["<|im_start|>"]] + user[:5] + [sid["<|vision_start|>"]] + [sid["<|image_pad|>"]] * n_img
-              + [sid["<|vision_end|>"]] + user[5:] + [sid["<|im_end|>"], 10, sid["<|im_start|>"]]
-              + tok("assistant\n", add_special_tokens=False)["input_ids"])  # fmt: skip
+    head = [sid["<|im_start|>"]] + tok("user\n", add_special_tokens=False)["input_ids"]
+    tail = (tok("What is in the picture?", add_special_tokens=False)["input_ids"] + [sid["<|im_end|>"], 10]
+            + [sid["<|im_start|>"]] + tok("assistant\n", add_special_tokens=False)["input_ids"])  # fmt: skip
+    filler = tok("Look at this image carefully, please. " * 3, add_special_tokens=False)["input_ids"]
+    # the image's tokens straddle the middle of the row, so that under sequence parallel at TP 2
+    # each rank holds part of them (its deepstack features are sliced per rank)
+    for k in range(len(filler) + 1):
+        prompt = head + filler[:k] + [sid["<|vision_start|>"]] + [sid["<|image_pad|>"]] * n_img + [sid["<|vision_end|>"]] + tail
+        t = len(prompt) + len(answer)
+        t += -t % 2
+        first = len(head) + k + 1
+        if first < t // 2 < first + n_img:
+            break
+    else:
+        raise AssertionError("no filler length puts the image across the middle of the row")
     ids = prompt + answer
     labels = [-100] * len(prompt) + answer
     while len(ids) % seq_multiple:
