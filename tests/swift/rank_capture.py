@@ -9,7 +9,7 @@ Nothing is passed that the run does not record itself: no vocabulary, no config,
 convention (the hook finds them in the model and the batch).
 
     from rank_capture import run
-    run(out, tp=2, sp=True, recompute=True)     # OUT/pre, OUT/post
+    run(out, tp=2, sp=True)     # OUT/pre, OUT/post
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ def available() -> bool:
     return os.path.exists(VENV)
 
 
-def run(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", recompute: bool = False, shift_image: int = 0,
-        timeout: float = 600.0) -> str:  # fmt: skip
-    """One step at TP ``tp`` (+SP), ``dtype``; ``recompute``: full uniform recompute of every layer;
-    ``shift_image``: that many more prompt tokens before the image (52 puts its 4 merged tokens
-    at positions 59..62 of 122, across the TP 2 sequence chunks: both SP ranks hold deepstack tokens)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_RANK_CAPTURE=out,
-               ORACLE_RANK_RECOMPUTE=str(int(recompute)), ORACLE_RANK_SHIFT_IMAGE=str(shift_image))  # fmt: skip
+def run(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: float = 600.0) -> str:
+    """One step at TP ``tp`` (+SP), ``dtype`` (tiny.sample's image straddles the middle of the row:
+    under SP at TP 2 both ranks hold deepstack tokens)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_RANK_CAPTURE=out)
     cmd = [VENV, os.path.abspath(__file__), out, str(tp), str(int(sp)), dtype]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
@@ -53,44 +50,6 @@ def _patch_peer() -> None:
         _patch_trainer(peer)
 
     standins.import_swift_megatron = import_then_patch  # peer.worker imports swift.megatron first
-    make_args = peer.make_args
-
-    def args_as_swift_sets_them(*a, **k):
-        args = make_args(*a, **k)
-        # as MegatronArguments.__post_init__ sets them (peer.py skips it): Qwen3 has no linear biases, and
-        # ms-swift's bridge lays q/k/v out per query group only with group_query_attention set
-        if args.disable_bias_linear is None:
-            args.disable_bias_linear = True
-        if args.group_query_attention is None:
-            args.group_query_attention = (args.num_query_groups or 1) > 1
-        if os.environ.get("ORACLE_RANK_RECOMPUTE") == "1":
-            args.recompute_granularity, args.recompute_method, args.recompute_num_layers = "full", "uniform", 1
-        return args
-
-    peer.make_args = args_as_swift_sets_them
-    shift = int(os.environ.get("ORACLE_RANK_SHIFT_IMAGE", "0"))
-    if shift:
-        import tiny
-
-        tiny.sample = _shifted_sample(tiny, shift)
-
-
-def _shifted_sample(tiny, k: int):
-    """tiny.sample with ``k`` more prompt tokens (no loss) after the first: the same sample, its image later."""
-    import torch
-
-    make = tiny.sample
-
-    def sample(seq_multiple: int = 2):
-        s = make(seq_multiple=seq_multiple)
-        extra = torch.full((1, k), ord("x"), dtype=torch.long)  # (1, k) plain text tokens
-        ids = torch.cat([s["input_ids"][:, :1], extra, s["input_ids"][:, 1:]], 1)  # (1, T + k)
-        labels = torch.cat([s["labels"][:, :1], torch.full((1, k), -100), s["labels"][:, 1:]], 1)
-        t = ids.shape[1]
-        return {**s, "input_ids": ids, "labels": labels, "position_ids": tiny.mrope_positions(ids, s["image_grid_thw"]),
-                "attention_mask": torch.ones(t, t, dtype=torch.bool).triu(1)[None, None]}  # fmt: skip
-
-    return sample
 
 
 def _patch_trainer(peer) -> None:
