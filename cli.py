@@ -405,6 +405,7 @@ def merge(
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
     hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (needed for qwen3-vl and msprobe imports).")] = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose micro-batch is the step (default: 0 before finalize, all DP ranks after).")] = None,
+    labels_shift: Annotated[str | None, typer.Option(help="pre-rolled (label t is token t+1, Megatron / ms-swift) or unshifted; default: as the hook recorded it.")] = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture."""
@@ -413,13 +414,16 @@ def merge(
     from oracle.recipe import load_hf_config
 
     config = load_hf_config(hf_config) if hf_config is not None else None
-    merge_ranks(ranks, out, recipe=recipe, hf_config=config, dp_rank=dp_rank, overwrite=overwrite)
+    merge_ranks(ranks, out, recipe=recipe, hf_config=config, dp_rank=dp_rank, labels_shift=labels_shift, overwrite=overwrite)
     b = Bundle(out)
     meg = b.get("megatron")
     vocab = meg["vocab"]
     typer.echo(f"merged {len(meg['merged_from'])} rank(s) (TP {meg['tp_size']}, PP {meg['pp_size']}, DP ranks {meg['dp_ranks']}, "
                f"{meg['stage']}) into {len(b.names('grads'))} HF gradients -> {out}")  # fmt: skip
-    typer.echo(f"  vocabulary: {vocab['padded']} rows (padded; true {vocab['true'] or 'unknown'}), kept whole for the replay")
+    padding = "no padding" if vocab.get("padding") == "none" else f"padded; true {vocab['true'] or 'unknown'}"
+    typer.echo(f"  vocabulary: {vocab['padded']} rows ({padding}), kept whole for the replay")
+    if (meg.get("labels") or {}).get("labels_shift"):
+        typer.echo(f"  labels: {meg['labels']['labels_shift']} ({meg['labels']['how']})")
     if meg.get("packing"):
         typer.echo(f"  {meg['packing']}")
     if not b.names("inputs"):

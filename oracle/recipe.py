@@ -90,6 +90,14 @@ class Recipe:
         the backward pass from the loss end (oracle/score/layers.py groups with it). ``None``: unknown."""
         raise NotImplementedError
 
+    def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
+        """Features the model adds into the token sequence after the embedding (Qwen3-VL's deepstack
+        visual features) send their gradient back only from the positions where ``keep`` (B, T) is
+        True; their forward values are unchanged. What one sequence-parallel rank's backward sees when
+        the framework slices those features per rank (rank view, megatron/rankview.py). False: the
+        model injects nothing (no restriction needed)."""
+        return False
+
 
 # -- the registry -------------------------------------------------------------------------------
 # Recipes are plugins: each is declared under the ``oracle.replays`` entry-point group (the built-in

@@ -81,7 +81,8 @@ def test_merged_fp32_main_grads_match_the_fp64_oracle_with_equal_losses(merged, 
     m = Bundle(cap).get("megatron")
     padded = RUNS[run][1]
     assert m["stage"] == f"{stage}-finalize" and not m["warnings"]
-    assert m["vocab"] == {"padded": padded, "true": V, "divisible_by": 128}
+    assert m["vocab"] == {"padded": padded, "true": V, "divisible_by": 128, "padding": "megatron",
+                          "how": f"{V} padded to a multiple of 128 x TP {RUNS[run][0]['tp']} = {padded}"}  # fmt: skip
     cfg = Bundle(cap).get("recipe")["config"]
     assert cfg["vocab_size"] == padded and cfg["num_key_value_heads"] == 4 and cfg["head_dim"] == 8
     rows = {p["name"]: p for p in c["params"]}

@@ -16,7 +16,15 @@ builds without recording (tested for fp32, bf16 and amp-bf16).
     through that input, kwargs included (``register_full_backward_hook`` would only see
     positional inputs, and wraps them in an extra autograd function). An input the module
     returns unchanged (an identity in eval mode) has no node inside the module: no grad_input.
-Only the first call of a module per step is recorded; further calls are counted.
+Which call is recorded: the first one that builds the step's graph. Under full recompute
+(Megatron's ``tensor_parallel.checkpoint``, ``torch.utils.checkpoint`` reentrant) a layer's first
+call is a no-grad forward and its grad-enabled recomputation runs inside the backward: that
+recomputation is recorded (a no-grad call is kept only until it comes, or when none comes). With
+non-reentrant checkpointing the first call builds the graph and the recomputation inside the
+backward repeats it: it is not recorded nor counted as a call. ``calls`` counts the graph-building
+calls (a module called twice accumulates its parameter gradients over both: local replay then
+judges outputs only); ``no_grad_calls`` and ``recomputed_calls`` count the others; ``order`` is
+the module's place in the forward's completion order (first calls), as without recompute.
 
 Every tensor is copied to CPU as soon as it is seen; recording stops (and says so) once the disk
 budget would be exceeded. Hooks are removed in ``close()`` / on leaving the context, always.
@@ -70,6 +78,9 @@ class ModuleRecorder:
         self.meta: dict[str, dict[str, Any]] = {n: {"calls": 0} for n in names}
         self._handles: list[Any] = []
         self._finished = 0
+        self._state: dict[str, str] = {}  # module -> "no_grad" | "graph": what its recorded call was
+        self._recording: dict[str, bool] = {}  # pre -> post of the call being recorded
+        self._bytes_of: dict[str, int] = {}  # bytes kept per module (a replaced record gives them back)
         self._pending: dict[str, tuple[dict[tuple[int, int], int], int, list]] = {}  # pre -> post of one call
 
     # -- storing ----------------------------------------------------------------------------
@@ -80,16 +91,39 @@ class ModuleRecorder:
                 self.over_budget.append(module)
             return
         self.bytes += nbytes
+        self._bytes_of[module] = self._bytes_of.get(module, 0) + nbytes
         if not self.dry_run:
             self.tensors[module][key] = t.detach().to("cpu", copy=True)
 
     # -- hooks (observe only) --------------------------------------------------------------
+    def _drop(self, name: str) -> None:
+        """Forget the provisional (no-grad) record of ``name``: a graph-building call replaces it."""
+        self.bytes -= self._bytes_of.pop(name, 0)
+        self.tensors[name] = {}
+        if name in self.over_budget:
+            self.over_budget.remove(name)
+
     def _pre(self, name: str):
         def hook(module, args, kwargs):
             meta = self.meta[name]
-            meta["calls"] += 1
-            if meta["calls"] > 1:
+            builds = torch.is_grad_enabled()
+            in_backward = torch._C._current_graph_task_id() != -1  # a recomputation inside the backward
+            state = self._state.get(name)
+            if not builds:
+                meta["no_grad_calls"] = meta.get("no_grad_calls", 0) + 1
+            elif in_backward and state == "graph":
+                meta["recomputed_calls"] = meta.get("recomputed_calls", 0) + 1  # repeats a recorded call
+            else:
+                meta["calls"] += 1
+                if in_backward:
+                    meta["recomputed_calls"] = meta.get("recomputed_calls", 0) + 1
+            record = state is None or (state == "no_grad" and builds)
+            self._recording[name] = record
+            if not record:
                 return None
+            if state == "no_grad":
+                self._drop(name)
+            self._state[name] = "graph" if builds else "no_grad"
             leaves, spec = tree_flatten((args, kwargs))
             meta["in_spec"] = treespec_dumps(spec)
             meta["in_static"] = {
@@ -123,11 +157,12 @@ class ModuleRecorder:
     def _post(self, name: str):
         def hook(module, args, kwargs, output):
             meta = self.meta[name]
-            if meta["calls"] > 1:
+            if "order" not in meta:
+                meta["order"] = self._finished  # forward completion order; the backward runs it in reverse
+                self._finished += 1
+            if not self._recording.pop(name, False):
                 return None
             leaves, _ = tree_flatten(output)
-            meta["order"] = self._finished  # forward completion order; the backward runs it in reverse
-            self._finished += 1
             meta["grad_out"] = []
             roots = []
             for i, v in enumerate(leaves):
@@ -208,7 +243,7 @@ class ModuleRecorder:
 
     # -- output -----------------------------------------------------------------------------
     def manifest(self) -> dict[str, Any]:
-        return {n: m for n, m in self.meta.items() if m["calls"] > 0}
+        return {n: m for n, m in self.meta.items() if n in self._state}
 
     def groups(self) -> dict[str, dict[str, torch.Tensor]]:
         return {group_name(n): t for n, t in self.tensors.items() if t}

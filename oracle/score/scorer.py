@@ -35,6 +35,8 @@ Loss: every capture that recorded its loss is compared with the oracle's replaye
     table's, for the capture's precision)
 and beyond it the verdict says "the replay is not the step that ran" (a dropped padded
 vocabulary, another loss convention, other inputs); it is a finding, not an error.
+Framework findings (merged Megatron captures whose TP replicas the framework never reduced): see
+framework.py; parameters whose copies do not add up to the truth leave the verdict and are listed.
 Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
 tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_rows``).
 """
@@ -50,6 +52,8 @@ from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
+from .framework import finding as framework_finding
+from .framework import framework_rows
 from .layers import group as group_layers
 from .tolerance import MARGIN, check_margin, table
 
@@ -192,8 +196,17 @@ def score(
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
     oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
+    for plan in plans:  # gradients the framework left unreduced: judged apart (framework.py)
+        if plan["norms"] is None:
+            band_of = lambda p, plan=plan: _band_value(plan["band_rows"].get(p, []), False, plan["tol"])  # noqa: E731
+            plan["framework"] = framework_finding(framework_rows(oracle, plan["bundle"], band_of, margin))
+            for p in (plan["framework"] or {}).get("excluded", []):
+                plan["rows"].pop(p, None)
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
     for c, plan in zip(result_caps, plans):
+        c["framework"] = plan.get("framework")
+        if c["framework"]:
+            c["verdict"]["text"] += "; " + c["framework"]["text"]
         c["unverified"] = unverified[c["name"]]
         c["loss_check"] = _loss_check(plan, oracle, margin)
         if c["loss_check"] and c["loss_check"]["beyond"]:

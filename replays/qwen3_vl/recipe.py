@@ -15,7 +15,7 @@ from oracle.capture.packing import pack
 from oracle.capture.samples import read_sample
 from oracle.errors import RecipeError
 from oracle.recipe import ModelSource, Recipe
-from oracle.replay.loss import causal_lm_loss, lm_head_loss
+from oracle.replay.loss import causal_lm_loss, lm_head_loss, masked_token_loss
 from replays.qwen3.recipe import MEGATRON_NAMES, text_layer_key
 
 from . import flavors
@@ -102,10 +102,29 @@ class Qwen3VLRecipe(Recipe):
     def forward_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
         model_inputs = {k: inputs[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "position_ids") if k in inputs}
         hidden = model.model(**model_inputs).last_hidden_state  # (1, T, H)
-        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction)
+        # with a loss_mask the labels are pre-rolled (Megatron / ms-swift: label t is token t+1): no second shift
+        return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction, inputs.get("loss_mask"))
 
     def loss_from_logits(self, logits: torch.Tensor, inputs: dict[str, torch.Tensor], reduction: str) -> tuple[torch.Tensor, int]:
+        if "loss_mask" in inputs:  # Megatron / ms-swift batch: labels pre-rolled, float mask
+            return masked_token_loss(logits, inputs["labels"], inputs["loss_mask"], reduction)
         return causal_lm_loss(logits, inputs["labels"], reduction)
+
+    def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
+        """The deepstack features enter the hidden states at the visual positions of layers 0..k-1
+        (``_deepstack_process``); row i of ``visual_embeds`` is the i-th visual position of the
+        flattened (B, T) batch. Rows whose position is not kept pass their value but no gradient
+        (``where(keep, x, x.detach())``): the backward of one SP rank that held only its chunk."""
+        text = model.model.language_model
+        original = text._deepstack_process
+
+        def restricted(hidden_states, visual_pos_masks, visual_embeds):
+            rows = keep.to(visual_pos_masks.device)[visual_pos_masks]  # (n_visual,) kept visual rows
+            visual_embeds = torch.where(rows[:, None], visual_embeds, visual_embeds.detach())  # (n_visual, H)
+            return original(hidden_states, visual_pos_masks, visual_embeds)
+
+        text._deepstack_process = restricted  # on this replay's instance only
+        return True
 
     def boundaries(self) -> dict[str, str]:
         return {

@@ -67,18 +67,37 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def hf_config(run: dict[str, Any], recipe: str, given: dict[str, Any] | None) -> tuple[dict[str, Any], int | None]:
-    """-> (the replay's HF config, the true vocabulary if known). ``run`` is the hook's ``config``."""
+def _rope_section(cfg: dict[str, Any]) -> list[int] | None:
+    t = cfg.get("text_config") or cfg
+    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    return rope.get("mrope_section") if isinstance(rope, dict) else None
+
+
+def hf_config(run: dict[str, Any], recipe: str, given: dict[str, Any] | None,
+              recorded: dict[str, Any] | None = None, mrope_section: list[int] | None = None) -> tuple[dict[str, Any], int | None]:  # fmt: skip
+    """-> (the replay's HF config, the true vocabulary if known). ``run`` is the hook's ``config``;
+    ``recorded`` the HF config the run's model held (the hook's ``hf_config``), the base of a nested
+    (vision-language) recipe's config when ``given`` is None, checked against the TransformerConfig's
+    ``mrope_section``."""
+    nested = recipe != "qwen3"
     for field, (want, what) in _FIXED.items():
+        if field == "position_embedding_type" and nested and run.get(field) == "mrope":
+            continue  # Qwen3-VL's multimodal rotary: the 3-row positions are recorded and replayed
         if field in run and run[field] is not None and not _same(run[field], want):
             raise RecipeError(f"the run has {field} = {run[field]!r}, but a Qwen3 decoder has {what} ({field} = {want!r}); "
                               f"the {recipe} recipe cannot replay it")  # fmt: skip
     derived = text_fields(run)
     true_vocab = run.get("true_vocab_size")
-    nested = recipe != "qwen3"
+    if given is None and nested and recorded:
+        given = recorded
+        section = mrope_section
+        if section is not None and _rope_section(given) is not None and list(section) != list(_rope_section(given)):
+            raise UsageError(f"the run's TransformerConfig has mrope_section {section} but its model's HF config "
+                             f"{_rope_section(given)}; the recorded configs disagree")  # fmt: skip
     if given is None:
         if nested:
-            raise UsageError(f"the {recipe} recipe needs --hf-config: the run records the language model, not the vision tower")
+            raise UsageError(f"the {recipe} recipe needs --hf-config: the run recorded no Hugging Face config of its model "
+                             "(the model holds none), only the language model")  # fmt: skip
         if len(derived) < 8:
             raise UsageError(
                 "the rank captures do not record the model's config (msprobe imports, older hooks); pass --hf-config"

@@ -16,8 +16,14 @@ coordinates, the stage, the loss convention, each parameter's partition attribut
 offset of this pipeline stage, and ``config``: what a replay needs from the TransformerConfig and
 the model (heads, query groups, kv channels, ffn, gated linear unit, activation, qk-layernorm,
 normalisation and epsilon, rotary base and percent, padded vocabulary and the true one when
-given, untied embeddings, sequence length, parallel sizes). MindSpeed registers parameters in
-another order under the same names; nothing here depends on the order.
+given, untied embeddings, sequence length, parallel sizes). From the run itself (runinfo.py):
+``hf_config`` (the model's own Hugging Face config where it holds one, ms-swift's vision wrapper
+does), ``vocab`` (padded vs true, and how that was decided), ``labels`` (pre-rolled, unshifted or
+ambiguous, with the evidence), ``numerics`` (fusions, recompute, attention backend, mRoPE section,
+MindSpeed's flags from the training arguments) and ``seq_lengths`` (what the attention kernel
+received); per parameter its owner class and whether it is a replicated transformers module.
+MindSpeed registers parameters in another order under the same names; nothing here depends on
+the order.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from torch import nn
 from ...bundle.store import BundleWriter
 from ...capture.api import describe_device, gradient_of, versions
 from ...precision import name_of_param_dtype
-from .layout import VOCAB_DIVISIBLE_BY
+from .layout import padded_vocab
+from .runinfo import hf_config_of, label_convention, numerics_of, param_origins, rope_of, seq_lengths
 
 STAGES = ("pre-finalize", "post-finalize")
 _CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -65,9 +72,14 @@ def _language_model(model: nn.Module) -> nn.Module | None:
     )
 
 
+def _transformer_config(model: nn.Module) -> Any:
+    lm = _language_model(model)
+    return getattr(lm, "config", None) or next((m.config for m in model.modules() if hasattr(m, "config")), None)
+
+
 def _config_of(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     lm = _language_model(model)
-    cfg = getattr(lm, "config", None) or next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    cfg = _transformer_config(model)
     out: dict[str, Any] = {k: getattr(cfg, k) for k in _CONFIG_FIELDS if cfg is not None and hasattr(cfg, k)}
     act = getattr(cfg, "activation_func", None)
     if act is not None:
@@ -101,6 +113,29 @@ def _packed(batch: Mapping[str, Any], packed_seq_params: Any) -> dict[str, torch
     return out
 
 
+def _vocab(rows: int | None, hf: dict | None, tokenizer: int | None, divisible_by: int | None, tp: int) -> dict[str, Any]:
+    """Padded vs true vocabulary, from what the run shows. The model's ``rows`` are Vp. The run's own
+    HF config's ``vocab_size`` equal to Vp means no padding (ms-swift sets ``padded_vocab_size`` to
+    it); a smaller tokenizer size is then kept apart, its extra rows being real tokens. Otherwise a
+    tokenizer size that Megatron-LM's padding rule turns into Vp is the true vocabulary; a size the
+    rule does not turn into Vp makes no row padding."""
+    text = (hf or {}).get("text_config") or hf or {}
+    hf_v = text.get("vocab_size") or (hf or {}).get("vocab_size")
+    out: dict[str, Any] = {"rows": rows, "tokenizer": tokenizer, "hf_config": hf_v, "divisible_by": divisible_by}
+    if rows is None:
+        return {**out, "true": tokenizer, "padding": "unknown", "how": "the model records no vocabulary size"}
+    if hf_v == rows:
+        return {**out, "true": rows, "padding": "none", "how": f"the run's HF config has vocab_size {hf_v} = the embedding's rows"}
+    if tokenizer is not None and divisible_by and padded_vocab(tokenizer, tp, divisible_by) == rows:
+        return {**out, "true": tokenizer, "padding": "megatron",
+                "how": f"{tokenizer} padded to a multiple of {divisible_by} x TP {tp} = {rows}"}  # fmt: skip
+    if tokenizer is not None and tokenizer != rows:
+        rule = f"make_vocab_size_divisible_by {divisible_by}" if divisible_by else "no make_vocab_size_divisible_by"
+        return {**out, "true": rows, "padding": "none", "how": f"the tokenizer's {tokenizer} does not pad to {rows} rows "
+                f"at TP {tp} ({rule}): every row is taken as a real token"}  # fmt: skip
+    return {**out, "true": rows, "padding": "none", "how": "no padding recorded: every row is a real token"}
+
+
 def capture_rank(
     model: nn.Module,
     out: str | Path,
@@ -111,16 +146,21 @@ def capture_rank(
     num_tokens: int | None = None,
     calculate_per_token_loss: bool | None = None,
     vocab_size: int | None = None,
-    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY,
+    make_vocab_size_divisible_by: int | None = None,
     packed_seq_params: Any = None,
     coords: Mapping[str, int] | None = None,
     precision: str | None = None,
+    labels_shift: str | None = None,
+    args: Any = None,
     overwrite: bool = False,
 ) -> Path:
     """``loss``: what this rank's backward differentiated (the token-loss sum with
     ``calculate_per_token_loss``, else the mean); ``num_tokens``: this rank's loss tokens;
-    ``vocab_size``: the tokenizer's true vocabulary (the model holds only the padded one);
-    ``calculate_per_token_loss``: default from the model's TransformerConfig."""
+    ``vocab_size``: the tokenizer's vocabulary, and ``make_vocab_size_divisible_by`` Megatron-LM's
+    padding rule, when the run padded (see ``_vocab``; ms-swift does not pad);
+    ``calculate_per_token_loss``: default from the model's TransformerConfig; ``labels_shift``:
+    ``pre-rolled`` / ``unshifted`` when the caller knows it (else detected from the batch, see
+    runinfo.py); ``args``: the training arguments (default Megatron-LM's ``get_args()``)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}")
     c = dict(coords) if coords is not None else parallel_coords()
@@ -135,12 +175,23 @@ def capture_rank(
         }  # fmt: skip
         for n, p in params.items()
     }
+    for n, o in param_origins(model).items():
+        if n in layout:
+            layout[n].update(o)
     config = _config_of(model, batch)
     if calculate_per_token_loss is None:
         calculate_per_token_loss = bool(config.get("calculate_per_token_loss", True))
-    if vocab_size is not None:
-        config["true_vocab_size"] = int(vocab_size)
-    config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    hf = hf_config_of(model)
+    numerics = {**numerics_of(_transformer_config(model), args), **rope_of(hf)}
+    run_args = numerics.get("args") or {}
+    if make_vocab_size_divisible_by is None and run_args.get("make_vocab_size_divisible_by"):
+        make_vocab_size_divisible_by = int(run_args["make_vocab_size_divisible_by"])
+    vocab = _vocab(config.get("vocab_size"), hf, vocab_size, make_vocab_size_divisible_by, c.get("tp_size", 1))
+    if vocab.get("true") is not None:
+        config["true_vocab_size"] = vocab["true"]
+    if make_vocab_size_divisible_by is not None:
+        config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    packed = _packed(batch, packed_seq_params)
     dtype = next(iter(params.values())).dtype
     if isinstance(loss, torch.Tensor):
         loss = float(loss.detach().float().item())
@@ -164,9 +215,14 @@ def capture_rank(
                 "layer_offset": _layer_offset(model),
                 "config": config,
                 "layout": layout,
+                "hf_config": hf,
+                "vocab": vocab,
+                "labels": label_convention(batch, labels_shift),
+                "numerics": numerics,
+                "seq_lengths": seq_lengths(packed.get("cu_seqlens"), batch.get("labels"), batch.get("tokens", batch.get("input_ids"))),
             },  # fmt: skip
         )
-        w.add("inputs", {**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **_packed(batch, packed_seq_params)})
+        w.add("inputs", {**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **packed})
         w.add("weights", {n: p.detach() for n, p in params.items()})
         w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
     return path

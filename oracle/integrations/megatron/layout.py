@@ -11,6 +11,7 @@
 | vocab | word_embeddings, output_layer (dim 0)   | cat(S_r, 0), all Vp rows kept (the padded vocabulary)     |
 | norm  | *layernorm*, *layer_norm_weight         | one copy; gradients before finalize may be partial sums   |
 | split | anything else marked tensor_model_parallel | cat(S_r, partition_dim)                                |
+| replica | a transformers module the hook found replicated (by the model's structure, never by name) | rank 0's copy (gradients: replicas.py) |
 | copy  | anything else                           | rank 0's copy                                             |
 
 Padded vocabulary (megatron/training/tokenizer ``_vocab_size_with_padding``):
@@ -95,6 +96,8 @@ class Heads:
 
 
 def kind_of(name: str, layout: dict) -> str:
+    if layout.get("replica"):  # a transformers module held whole on every TP rank (hook: runinfo.param_origins)
+        return "replica"
     if name.endswith("linear_qkv.layer_norm_weight") or name.endswith("linear_fc1.layer_norm_weight"):
         return "norm"
     if re.search(r"linear_qkv\.(weight|bias)$", name):

@@ -23,7 +23,17 @@ reduction ``sum`` or ``mean`` accordingly, so its fp64 replay computes the same 
 per-token loss finalize averages the DP ranks' mean-loss gradients, which equals the mean over the
 concatenated batch only when every DP rank had as many loss tokens (checked).
 
-Config: written from the run (hfconfig.py); ``hf_config`` overrides and is checked against it.
+Replicated gradients with no partial-sum rule (a transformers module held whole on every rank, as
+the hook recognised it from the model's structure, or any other copy) must agree between TP
+ranks; copies that disagree were never reduced by the framework: replicas.py keeps their sum and
+names them in ``megatron.unreduced`` (a framework finding, not a device error).
+
+Labels: the hook records whether the batch's labels were pre-rolled (Megatron, ms-swift) or not;
+pre-rolled labels without a loss mask get ``loss_mask = labels != -100`` so that the replay takes
+no second shift; an ambiguous record is refused (``labels_shift`` decides).
+
+Config: written from the run (hfconfig.py; for qwen3-vl the HF config the run's model holds);
+``hf_config`` overrides and is checked against it.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from .hfconfig import with_padded_vocab
 from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
 from .names import NameMap, strip_wrappers
 from .packing import packed_inputs
+from .replicas import finding_text, reduce_replicas
+from .runinfo import IGNORE, LABEL_SHIFTS
 
 POST_AGREEMENT = 1e-5  # post-finalize copies of a replicated gradient must agree to this (relative)
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
@@ -257,8 +269,39 @@ def _tie_embeddings(weights: dict, grads: dict, mapping: dict, stage: str, pp: i
     mapping[out] = {**mapping[out], "hf": [e], "tied_to": emb}
 
 
+def _labels(chosen: dict, inputs: dict[str, torch.Tensor], given: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The batch's label convention (recorded per rank by the hook, or ``given``): pre-rolled labels
+    get ``loss_mask = labels != -100`` when the run had none (the recipe then takes CE(logits[t],
+    labels[t]) with no second shift); an undecided convention is refused, never guessed."""
+    recs = {b.path: (b.manifest["megatron"].get("labels") or {}) for b in chosen.values()}
+    values = {r.get("labels_shift") for r in recs.values()}
+    if given is not None:
+        if given not in LABEL_SHIFTS:
+            raise BundleError(f"--labels-shift {given!r}: expected one of {', '.join(LABEL_SHIFTS)}")
+        rec = {"labels_shift": given, "how": f"given to merge (the ranks recorded {sorted(map(str, values))})"}
+    elif values == {None}:
+        return inputs, {"labels_shift": None, "how": "not recorded (an older hook or an import); inputs as recorded"}
+    elif len(values) > 1:
+        raise BundleError(f"the rank captures record different label conventions {sorted(map(str, values))}; pass --labels-shift")
+    else:
+        rec = next(iter(recs.values()))
+    value = rec["labels_shift"]
+    if value == "ambiguous":
+        raise BundleError(f"inputs/labels: the label convention cannot be decided from the batch ({rec.get('how')}); "
+                          "pass --labels-shift pre-rolled (labels[t] is token t+1, as Megatron and ms-swift roll them) "
+                          "or unshifted (Hugging Face: the loss shifts), or labels_shift= to capture_rank")  # fmt: skip
+    out = dict(inputs)
+    if value == "pre-rolled" and "labels" in out and "loss_mask" not in out:
+        out["loss_mask"] = (out["labels"] != IGNORE).to(torch.float32)  # (B, T): ms-swift's loss_func builds the same
+        rec = {**rec, "loss_mask": "written by merge: labels != -100"}
+    if value == "unshifted" and "loss_mask" in out:
+        raise BundleError("inputs/loss_mask: the labels are unshifted but the batch holds a loss_mask (Megatron's "
+                          "convention is pre-rolled labels); pass --labels-shift pre-rolled if the labels were rolled")  # fmt: skip
+    return out, rec
+
+
 def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_config: dict[str, Any] | None = None,
-                dp_rank: int | None = None, overwrite: bool = False) -> Path:  # fmt: skip
+                dp_rank: int | None = None, labels_shift: str | None = None, overwrite: bool = False) -> Path:  # fmt: skip
     bundles = rank_bundles(paths)
     chosen, info = select_ranks(bundles, dp_rank)
     rec = recipes.get(recipe)
@@ -267,7 +310,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     names = NameMap(rec.megatron_names)
     meta = info["meta"]
     run = dict(meta.get("config") or {})
-    config, true_vocab = run_hf_config(run, recipe, hf_config)
+    config, true_vocab = run_hf_config(run, recipe, hf_config, recorded=meta.get("hf_config"),
+                                       mrope_section=(meta.get("numerics") or {}).get("mrope_section"))
     heads = Heads.from_config(run) if run.get("num_attention_heads") else Heads.from_hf(config)
     tp, pp, stage = info["tp"], info["pp"], info["stage"]
     heads.check(tp)
@@ -277,6 +321,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     grads: dict[str, torch.Tensor] = {}
     mapping: dict[str, dict[str, Any]] = {}
     warnings: list[str] = []
+    unreduced: list[dict[str, Any]] = []
+    framework: dict[str, torch.Tensor] = {}
     for p in range(pp):
         ranks = [chosen[d0, p, t] for t in range(tp)]
         stage_meta = ranks[0].manifest["megatron"]
@@ -296,11 +342,17 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
             dim = max(layout.get("partition_dim", 0), 0)
             partial = partial_sum(local, tp=tp, marked=bool(layout.get("sequence_parallel", False)))
             merged_w = _merge(mname, "weights", kind, per_rank_w, heads, dim)
-            if kind in ("norm", "copy") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
+            if kind in ("norm", "copy", "replica") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
                 warnings.append(f"{mname}: replicated weight differs across TP ranks; rank 0's copy is used")
             if ranks[0].has("grads", mname):
                 per_rank_g = [b.load("grads", mname) for b in ranks]
-                if kind in ("norm", "copy"):
+                if kind in ("norm", "copy", "replica") and not partial:
+                    kept, finding = reduce_replicas(mname, hf[0], per_rank_g, stage)
+                    merged_g = (kept,)
+                    if finding is not None:
+                        unreduced.append(finding)
+                        framework.update({f"{hf[0]}|tp{r}": g for r, g in enumerate(per_rank_g)})
+                elif kind in ("norm", "copy"):
                     if stage == "pre-finalize" and partial:
                         merged_g = (torch.stack([g.double() for g in per_rank_g]).sum(0).to(per_rank_g[0].dtype),)
                     else:
@@ -335,7 +387,11 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     config, given_true = with_padded_vocab(config, recipe, padded)
     true_vocab = true_vocab or given_true
     inputs, packing = packed_inputs(_inputs(chosen, info))
+    inputs, labels = _labels(chosen, inputs, labels_shift)
     loss = _loss(chosen, info)
+    if unreduced:
+        warnings.append(finding_text(unreduced))
+    rank_vocab = meta.get("vocab") or {}
     with BundleWriter(out, "capture", overwrite=overwrite) as w:
         w.manifest.update(
             recipe={"name": recipe, "config": config}, precision=chosen[d0, 0, 0].get("precision"),
@@ -345,11 +401,15 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                       "calculate_per_token_loss": meta.get("calculate_per_token_loss"), "num_tokens": loss.get("num_tokens"),
                       "seq_length": run.get("seq_length"),
                       "vocab": {"padded": padded, "true": true_vocab,
-                                "divisible_by": run.get("make_vocab_size_divisible_by", VOCAB_DIVISIBLE_BY)},
+                                "divisible_by": run.get("make_vocab_size_divisible_by", VOCAB_DIVISIBLE_BY),
+                                "padding": rank_vocab.get("padding"), "how": rank_vocab.get("how")},
                       "config": {**heads.as_config(), **run}, "mapping": mapping, "packing": packing,
-                      "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
+                      "labels": labels, "numerics": meta.get("numerics"), "seq_lengths": meta.get("seq_lengths"),
+                      "unreduced": unreduced, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
         )  # fmt: skip
         w.add("inputs", inputs)
         w.add("weights", weights)
         w.add("grads", grads)
+        if framework:
+            w.add("framework_grads", framework)
     return Path(out)

@@ -15,7 +15,8 @@ The merged capture's inputs then hold
 
     cu_seqlens    int64 [0, l1, l1+l2, ..., N]   N = B*T, the batch's tokens flattened row after row
                                                 (a row start is always a boundary)
-    position_ids  int64 (B, T)
+    position_ids  int64 (B, T); with mRoPE's (3, B, T) rows (Qwen3-VL) (4, B, T): the restarting
+                  text row (what marks the samples) in front of the three rows as recorded
 
 A batch with none of these holds one sample per row and gets no ``cu_seqlens`` (plain causal mask).
 """
@@ -70,7 +71,10 @@ def packed_inputs(inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
             if not torch.equal(pos.to(torch.int64), plain):
                 raise BundleError("position_ids restart elsewhere than cu_seqlens says; the rank recorded two different packings")
         out["cu_seqlens"] = torch.tensor(sorted({*cu.tolist(), *(i * shape[1] for i in range(shape[0]))}), dtype=torch.int64)
-        out["position_ids"] = derived
+        if pos is not None and pos.dim() == 3 and pos.shape[0] == 3:  # mRoPE (3, B, T): the text row first, as transformers reads 4 rows
+            out["position_ids"] = torch.cat([derived.unsqueeze(0), pos.to(torch.int64)])  # (4, B, T)
+        else:
+            out["position_ids"] = derived
         out.pop("cu_seqlens_padded", None)
         return out, f"packed: {out['cu_seqlens'].numel() - 1} samples from the recorded cu_seqlens; positions restart per sample"
     mask = inputs.get("attention_mask")

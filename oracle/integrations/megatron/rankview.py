@@ -22,6 +22,11 @@ where r's part is its sequence chunk (sequence-parallel norms: padded positions
 (q/k layernorm: query heads [r*np/TP, ...) for q, KV heads [r*ng/TP, ...) for k). Any norm is
 handled the same way, whatever its formula.
 
+Replicated transformers modules whose gradients the framework never reduced (merge's
+``unreduced``: ms-swift slices Qwen3-VL's deepstack features per SP rank) are projected as rank
+r's own partial truth: the float64 step replayed once more with the injected features' gradient
+restricted to r's sequence chunk (``_injected_partials``), like for like with what r held.
+
 Scaling: with calculate_per_token_loss a pre-finalize gradient is of the SUM of token losses and
 post-finalize of the MEAN; the oracle's own reduction is converted with its token count.
 """
@@ -39,6 +44,7 @@ from ...errors import BundleError, UsageError
 from ...metrics import rel_l2
 from ...precision.mode import PrecisionMode
 from ...replay.run import run_step
+from ...replay.setup import recipe_of
 from .layout import Heads, padded_vocab, shard_of
 from .names import strip_wrappers
 
@@ -84,6 +90,29 @@ def _norm_partials(oracle: Bundle, modules: dict[str, str], *, tp: int, seq_pad:
             parts.append(w_grad.detach())
         out[mod_name] = parts
     return out
+
+
+def _injected_partials(oracle: Bundle, names: list[str], *, tp: int, rank: int, seq_pad: int | None) -> dict[str, torch.Tensor]:
+    """HF name -> rank ``rank``'s own gradient of a replicated parameter whose injected features the
+    framework sliced per SP rank (replicas.py): the float64 step replayed with those features'
+    gradient restricted to the rank's sequence chunk (positions [r S_pad/TP, (r+1) S_pad/TP)), the
+    main path whole (recipe.restrict_injected). {} when the recipe injects nothing."""
+    recipe = recipe_of(oracle)
+    applied: list[bool] = []
+
+    def instrument(model):
+        tokens = next(t for n, t in oracle.iter_group("inputs") if n in ("input_ids", "tokens"))
+        b, t = tokens.shape
+        chunk = (seq_pad or math.ceil(t / tp) * tp) // tp
+        keep = torch.zeros(b, t, dtype=torch.bool)
+        keep[:, rank * chunk : min((rank + 1) * chunk, t)] = True  # (B, T): this rank's chunk
+        applied.append(recipe.restrict_injected(model, keep))
+
+    model, _, _, _ = run_step(oracle, "fp64", instrument=instrument)
+    if not applied or not applied[0]:
+        return {}
+    params = dict(model.named_parameters())
+    return {n: params[n].grad.detach() for n in names if n in params and params[n].grad is not None}
 
 
 def recorded_layout(oracle: Bundle, **flags: Any) -> tuple[dict[str, Any], list[str]]:
@@ -152,10 +181,16 @@ def rank_view(
             if m["kind"] == "norm" and how and (how == "heads" or sp):
                 partial_modules[m["hf"][0].removesuffix(_SUFFIX)] = how
     partials = _norm_partials(oracle, partial_modules, tp=tp, seq_pad=seq_len_padded) if partial_modules else {}
+    injected: dict[str, torch.Tensor] = {}
+    if meg.get("unreduced") and tp > 1 and sp:  # the framework left per-rank partial gradients (replicas.py)
+        replicas = [m["hf"][0] for m in entries.values() if m["kind"] == "replica"]
+        injected = _injected_partials(oracle, replicas, tp=tp, rank=rank, seq_pad=seq_len_padded)
     view: dict[str, torch.Tensor] = {}
     for mname, m in entries.items():
         hf = m["hf"]
-        if hf[0].removesuffix(_SUFFIX) in partials:
+        if hf[0] in injected:
+            t = injected[hf[0]]
+        elif hf[0].removesuffix(_SUFFIX) in partials:
             t = partials[hf[0].removesuffix(_SUFFIX)][rank]
         elif all(n in grads for n in hf):
             try:
