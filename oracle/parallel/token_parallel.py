@@ -129,6 +129,14 @@ def sum_scalars(x: float) -> float:
     return float(total)
 
 
+def gather_ints(x: int) -> list[int]:
+    """Every rank's integer, in rank order (the same list on every rank)."""
+    t = torch.tensor([x], dtype=torch.int64)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return [int(p) for p in parts]
+
+
 def gather_lists(items: list[str]) -> list[list[str]]:
     """Every rank's list of names (JSON over the store-free gloo path: bytes padded to the longest)."""
     import json

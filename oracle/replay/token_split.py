@@ -26,6 +26,7 @@ loss asserted float64 before backward.
 from __future__ import annotations
 
 import contextlib
+import resource
 import threading
 
 import torch
@@ -228,6 +229,7 @@ def run(cap, run_step):
     step's loss, the mode with the merged backward order, the manifest's record)."""
     ranks, me = distributed.world(), distributed.rank()
     model, inputs, loss, mode = run_step(cap, "fp64", split=splitter(ranks, me))
+    peak = token_parallel.gather_ints(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     named = [(n, p.grad, p) for n, p in model.named_parameters()]
     grads = token_parallel.reduce_grads(named)
     total = token_parallel.sum_scalars(loss)
@@ -235,5 +237,5 @@ def run(cap, run_step):
     n_tokens = int(cap.load("inputs", "tokens" if "tokens" in cap.names("inputs") else "input_ids").shape[-1])
     record = {"ranks": ranks, "bound_rel": token_parallel.BOUND_REL, "tokens": n_tokens,
               "rows": [[list(s) for s in token_parallel.spans_of(n_tokens, ranks, r)] for r in range(ranks)],
-              "replicated": sorted({n.split(".visual.")[0] + ".visual" for n, _ in model.named_parameters() if ".visual." in n})}  # fmt: skip
+              "peak_rss": peak, "replicated": sorted({n.split(".visual.")[0] + ".visual" for n, _ in model.named_parameters() if ".visual." in n})}  # fmt: skip
     return model, grads, total, mode, record
