@@ -16,7 +16,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import typer
+try:
+    import typer
+except ImportError:  # the capture-only install (training environment): no CLI there; exit 2, a usage error
+    print(
+        "oracle: this environment has the capture side only (oracle.Capture, the Megatron hook, ORACLE_CAPTURE); "
+        'the command line runs on the CPU host: pip install "oracle-fp64[host]"',
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 from oracle import precision as precisions
 from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error

@@ -1,0 +1,93 @@
+"""ORACLE_CAPTURE on ms-swift 3.12.1's own Megatron Qwen3-VL step: no file edited, nothing changed.
+
+The ranks get only the environment variable; oracle-fp64 is installed in the pinned environment
+as a user installs it (``.ci/swift-env``: not editable, so ``oracle_capture.pth`` is in
+site-packages). Runs in that environment only; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import sysconfig
+
+import pytest
+
+try:
+    SWIFT = importlib.metadata.version("ms-swift")
+except importlib.metadata.PackageNotFoundError:
+    SWIFT = None
+if SWIFT is None or not SWIFT.startswith("3.12"):
+    pytest.skip(f"ms-swift 3.12 is not installed here ({SWIFT}): the swift peer runs in .venv-swift "
+                "(bash .ci/swift-env)", allow_module_level=True)  # fmt: skip
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402
+import tiny  # noqa: E402
+import truth  # noqa: E402
+from oracle.bundle.store import Bundle  # noqa: E402
+from oracle.integrations.megatron.autocapture import PTH_LINE, PTH_NAME  # noqa: E402
+
+CONFIGS = {"tp2sp-fp32": (2, True, "fp32", 1), "tp1-bf16": (1, False, "bf16", 1), "pp2-fp32": (1, False, "fp32", 2)}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tiny.write_model_dir(str(tmp_path_factory.mktemp("tiny-qwen3-vl")))
+
+
+def _run(tmp_path_factory, hf_dir, name, env=None):
+    tp, sp, dtype, pp = CONFIGS.get(name, (1, False, "fp32", 1))
+    out = str(tmp_path_factory.mktemp(name + ("-captured" if env else "-plain")))
+    env = {k: v.replace("{out}", out) for k, v in (env or {}).items()}
+    peer.run(out, tp=tp, sp=sp, dtype=dtype, model_dir=hf_dir, env=env, pp=pp)
+    return out
+
+
+def test_the_start_up_hook_is_installed_with_the_package():
+    """The wheel puts the one-line hook in site-packages; the repo's copy is the module's line."""
+    installed = os.path.join(sysconfig.get_paths()["purelib"], PTH_NAME)
+    assert open(installed).read().strip() == PTH_LINE
+    assert open(os.path.join(REPO, PTH_NAME)).read().strip() == PTH_LINE
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_oracle_capture_records_every_rank_as_the_step_ran_and_changes_nothing(tmp_path_factory, hf_dir, name):
+    """With only ORACLE_CAPTURE=DIR set, every rank writes DIR/pre and DIR/post whose gradients,
+    weights and inputs are bitwise the harness's raw truth, with the loss function's loss sum and
+    token count; the step's gradients are bitwise those of the same step without the variable.
+    Under PP (1F1B schedule) each stage captures its own part; only the last has a loss."""
+    cap = _run(tmp_path_factory, hf_dir, name, env={"ORACLE_CAPTURE": "{out}/capture"})
+    plain = _run(tmp_path_factory, hf_dir, name)
+    raw, ref = truth.load_ranks(cap), truth.load_ranks(plain)
+    for r, (got, want) in enumerate(zip(raw, ref)):
+        for kind in ("grads_pre", "grads_post", "weights"):
+            assert all(torch.equal(got[kind][n], want[kind][n]) for n in want[kind]), (r, kind)
+        m = got["meta"]
+        for sub, kind, stage in (("pre", "grads_pre", "pre-finalize"), ("post", "grads_post", "post-finalize")):
+            b = Bundle(os.path.join(cap, "capture", sub, f"rank{r:05d}"))
+            assert b.get("megatron")["stage"] == stage
+            g, w, x = b.load_group("grads"), b.load_group("weights"), b.load_group("inputs")
+            assert set(g) == set(got[kind]) and all(torch.equal(g[n], got[kind][n]) for n in g), (r, sub)
+            assert all(torch.equal(w[n], got["weights"][n]) for n in got["weights"]), (r, sub)
+            assert set(x) == set(got["batch"]) and all(torch.equal(x[k], got["batch"][k]) for k in x), (r, sub)
+            assert b.get("megatron")["num_tokens"] == m["num_tokens"]
+            if m["loss_sum"] is None:  # a pipeline stage before the last
+                assert b.get("megatron")["loss_as_given"] is None
+            else:
+                assert b.get("megatron")["loss_as_given"] == pytest.approx(m["loss_sum"], rel=1e-7)
+        log = open(os.path.join(cap, f"rank{r}.log")).read()
+        assert "oracle: captured training call 0 into" in log
+
+
+def test_nothing_captured_is_reported(tmp_path_factory, hf_dir):
+    """A step number the run never reaches writes nothing and says so on every rank's stderr."""
+    out = _run(tmp_path_factory, hf_dir, "tp1-fp32", env={"ORACLE_CAPTURE": "{out}/capture", "ORACLE_CAPTURE_STEP": "3"})
+    assert not os.path.exists(os.path.join(out, "capture"))
+    log = open(os.path.join(out, "rank0.log")).read()
+    assert ("is set but nothing was captured: the training loop ran 1 forward-backward call(s), "
+            "ORACLE_CAPTURE_STEP=3 was never reached") in log  # fmt: skip
