@@ -486,6 +486,9 @@ def explain(
 
 
 def main() -> None:  # console script entry point
+    from oracle.replay.streaming.pages import ensure
+
+    ensure()  # a streamed replay restarts once with malloc on huge pages (oracle/replay/streaming/pages.py)
     app()
 
 

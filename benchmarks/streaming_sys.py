@@ -4,8 +4,9 @@
 
 Benchmark b's capture (benchmarks/streaming.py: Qwen3 text hidden 512, 8 layers, vocab 32000) is
 replayed in float64 three times, each in its own process: in memory, streamed (``--max-memory`` at
-40 % of the in-memory peak), and streamed with glibc's malloc putting its mmapped chunks on
-transparent huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``). Printed per run: wall, user and
+40 % of the in-memory peak) as before this fix (``ORACLE_HUGE_PAGES=0``), and streamed as the command
+runs now: restarted with glibc's malloc putting its mmapped chunks on transparent huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, oracle/replay/streaming/pages.py). Printed per run: wall, user and
 system seconds, minor page faults (getrusage of the child), peak RSS; and whether the three
 gradient sets are bitwise equal. The streamed replay pins malloc's mmap threshold at 1 MiB
 (engine.tame_malloc, so freed weights leave the process): every tensor above it is a fresh mmap,
@@ -64,15 +65,15 @@ def main() -> None:
         load0 = os.getloadavg()[0]
         mem = timed([*common, "--out", str(d / "mem")])
         budget = str(int(0.4 * mem["peak"]))
-        streamed = timed([*common, "--out", str(d / "str"), "--max-memory", budget])
-        huge = timed([*common, "--out", str(d / "huge"), "--max-memory", budget], env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+        streamed = timed([*common, "--out", str(d / "str"), "--max-memory", budget], env={"ORACLE_HUGE_PAGES": "0"})  # before
+        huge = timed([*common, "--out", str(d / "huge"), "--max-memory", budget])  # the command as it runs now
         o, s, h = Bundle(d / "mem"), Bundle(d / "str"), Bundle(d / "huge")
         equal = all(torch.equal(o.load("grads", n), s.load("grads", n)) and torch.equal(o.load("grads", n), h.load("grads", n))
                     for n in o.names("grads"))  # fmt: skip
         print(f"streaming sys time: Qwen3 text hidden 512, 8 layers, vocab 32000, {a.tokens} tokens, {a.threads} thread(s); "
               f"{os.cpu_count()} cores, load average {load0:.1f} before")  # fmt: skip
-        for name, r in (("in memory", mem), (f"streamed {int(budget) / 2**30:.2f} GiB", streamed),
-                        ("streamed + malloc huge pages", huge)):  # fmt: skip
+        for name, r in (("in memory", mem), (f"streamed {int(budget) / 2**30:.2f} GiB, before", streamed),
+                        ("streamed, huge pages (now)", huge)):  # fmt: skip
             print(f"  {name:30s}: {r['wall']:7.1f} s wall, {r['user']:7.1f} s user, {r['sys']:6.1f} s sys, "
                   f"{r['minflt'] / 1e6:6.2f} M minor faults, peak {r['peak'] / 2**30:.2f} GiB (load {r['load']:.1f} after)")  # fmt: skip
         print(f"  streamed / in memory: sys {streamed['sys'] / mem['sys']:.2f}x, faults {streamed['minflt'] / mem['minflt']:.2f}x; "
