@@ -34,7 +34,6 @@ from streaming import QWEN3_D, text_inputs, write_capture  # noqa: E402
 
 from oracle.bundle.store import Bundle  # noqa: E402
 
-
 # runs the command and prints the largest resident set of its processes (ranks included: the launcher
 # waits for them, so their peak reaches it) as the last line of stderr
 PEAK = ("import resource, subprocess, sys; c = subprocess.run(sys.argv[1:]).returncode; "
@@ -46,7 +45,9 @@ def timed(args: list[str]) -> tuple[float, float, float, float]:
     after, and the peak RSS (GiB) of its largest process."""
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "oracle", *args], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK, sys.executable, "-m", "oracle", *args], cwd=ROOT, capture_output=True, text=True
+    )
     if r.returncode != 0:
         raise SystemExit(f"oracle {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     wall = time.perf_counter() - t
@@ -85,7 +86,9 @@ def main() -> None:
         print(f"  2 ranks (tokens): {t2:7.2f} s wall, {c2:7.2f} s CPU, peak RSS {m2:.2f} GiB per rank (load average {l2:.1f} after; "
               "--split tokens --nproc 2)")  # fmt: skip
         print(f"  2 ranks again   : {t3:7.2f} s wall, {c3:7.2f} s CPU (load average {l3:.1f} after)")
-        print(f"  speed-up {t1 / t2:.2f}x; parallel efficiency wall {t1 / (2 * t2):.2f}, CPU seconds {c1 / c2:.2f} (target >= 0.8)")
+        print(
+            f"  speed-up {t1 / t2:.2f}x; parallel efficiency wall {t1 / (2 * t2):.2f}, CPU seconds {c1 / c2:.2f} (target >= 0.8)"
+        )
         print(f"  agreement with 1 process: max relative gradient difference {rel:.1e}, loss {loss_rel:.1e} (bound 1e-12); "
               f"two 2-rank runs bitwise equal: {bitwise}")  # fmt: skip
 

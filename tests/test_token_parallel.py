@@ -98,9 +98,9 @@ def test_the_kernel_on_a_ranks_rows_equals_the_whole_sequence_kernel():
         dq, dk, dv = attention._backward(do, q, k, v, out, lse, cu, True, D**-0.5, 8, 8)
         dk_sum, dv_sum = torch.zeros_like(dk), torch.zeros_like(dv)
         for a, b in ((0, 7), (7, 26), (26, 45)):
-            o, l = attention._forward(q[:, :, a:b].contiguous(), k, v, cu, True, D**-0.5, 8, 8, q0=a)
+            o, lse_r = attention._forward(q[:, :, a:b].contiguous(), k, v, cu, True, D**-0.5, 8, 8, q0=a)
             assert float((o - out[:, :, a:b]).abs().max()) <= 1e-13
-            dqr, dkr, dvr = attention._backward(do[:, :, a:b].contiguous(), q[:, :, a:b].contiguous(), k, v, o, l,
+            dqr, dkr, dvr = attention._backward(do[:, :, a:b].contiguous(), q[:, :, a:b].contiguous(), k, v, o, lse_r,
                                                 cu, True, D**-0.5, 8, 8, q0=a)  # fmt: skip
             assert float((dqr - dq[:, :, a:b]).abs().max()) <= 1e-13
             dk_sum += dkr

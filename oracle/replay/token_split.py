@@ -95,10 +95,14 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             raise attention.AttentionLayoutError(f"{NAME} does not implement {unsupported}={kwargs[unsupported]!r}")
     layout, spans, cu = st
     if query.shape[2] != layout.counts[layout.me]:
-        raise attention.AttentionLayoutError(f"{NAME}: {query.shape[2]} query rows, but this rank owns {layout.counts[layout.me]}")
+        raise attention.AttentionLayoutError(
+            f"{NAME}: {query.shape[2]} query rows, but this rank owns {layout.counts[layout.me]}"
+        )
     chunk = int(getattr(module, "oracle_attention_chunk", attention.CHUNK))
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    out = _RowsAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), layout, spans, cu, True, scale, chunk, chunk)
+    out = _RowsAttention.apply(
+        query.contiguous(), key.contiguous(), value.contiguous(), layout, spans, cu, True, scale, chunk, chunk
+    )
     return out.transpose(1, 2).contiguous(), None  # (B, t, H, D)
 
 
@@ -172,7 +176,9 @@ def splitter(ranks: int, me: int):
         local = dict(inputs)
         if "position_ids" not in inputs:
             if "pixel_values" in inputs:
-                raise UsageError("a multimodal capture without position_ids cannot be split by tokens (mRoPE needs the whole sequence)")
+                raise UsageError(
+                    "a multimodal capture without position_ids cannot be split by tokens (mRoPE needs the whole sequence)"
+                )
             local["position_ids"] = torch.arange(T).view(1, T).expand(B, T)  # what transformers would make, whole
         for key in SEQUENCE_KEYS:
             if key in local:
