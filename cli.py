@@ -162,7 +162,7 @@ def capture(
 def replay(
     ctx: typer.Context,
     capture: Annotated[Path, typer.Argument(help="Capture bundle to replay.")],
-    out: Out,
+    out: Annotated[Path | None, typer.Option("--out", help="Bundle directory to write (not needed with --dry-run).")] = None,
     dtype: Annotated[ReplayDtype, typer.Option(help="fp64: the oracle; others: an emulated run (noise band).")] = ReplayDtype.fp64,
     ensemble: Annotated[int, typer.Option(min=1, help="Emulated runs only: members (1 round-to-nearest + K-1 jittered).")] = 1,
     verify: Annotated[bool | None, typer.Option("--verify/--no-verify", help="Finite-difference certificate (default: when cheap).")] = None,
@@ -173,7 +173,7 @@ def replay(
     members: Annotated[int, typer.Option(min=1, help="--local: emulated members for the expected local error.")] = 2,
     max_memory: Annotated[str | None, typer.Option(help="Stream the replay within this memory (16G, 512M): weights per unit from the capture, activations spilled to disk past it; resumable.")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores). Resume and bitwise repeatability need the same count.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit; exit 2 where --max-memory is below what the run needs.")] = False,
     nproc: Annotated[int, typer.Option(min=1, help="Spread over N local processes (ensemble members, --local modules); many machines: torchrun -m oracle replay.")] = 1,
     split: Annotated[str, typer.Option(help="How several ranks share the fp64 oracle: tensor (heads, MLP, vocabulary) or tokens (the sequence).")] = "tensor",
     overwrite: Overwrite = False,
@@ -201,8 +201,13 @@ def replay(
     if dry_run:
         from oracle.replay.streaming import plan
 
-        typer.echo(plan.render(plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)))
+        p = plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)
+        typer.echo(plan.render(p))
+        if not p["fits"]:
+            raise UsageError(p["refusal"])  # exactly what the run would refuse
         return
+    if out is None:
+        raise UsageError("replay needs --out (only --dry-run runs without one)")
     from oracle.parallel import distributed
 
     if local:

@@ -79,6 +79,12 @@ class Recipe:
         (decoder layers, ViT blocks, mergers, embeddings). The head is streamed by the engine."""
         return None
 
+    def stream_token_modules(self) -> str | None:
+        """Regex over module names: submodules of streamed units whose math is per token (one tensor
+        in, one out, row r of the output from row r of the input: MLPs), which the streaming replay
+        runs by token chunks (oracle/replay/streaming/tokens.py). ``None``: none."""
+        return None
+
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         """``((major, minor), label)`` of the layer ``name`` belongs to; sorting by the tuple walks
         the backward pass from the loss end (oracle/score/layers.py groups with it). ``None``: unknown."""

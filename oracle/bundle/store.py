@@ -415,6 +415,44 @@ class Bundle:
             return torch.empty(e["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
 
+    def load_rows(self, group: str, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (its first dimension), read alone and not verified: the
+        caller verifies the whole tensor once (``verify``), as the streaming head does."""
+        e = self.entry(group, name)
+        offset, nbytes = self._where[(group, name)]
+        shape = [int(s) for s in e["shape"]]
+        row = nbytes // max(shape[0], 1)
+        buf = bytearray((stop - start) * row)
+        path = self.path / e["file"]
+        with open(path, "rb") as f:
+            f.seek(offset + start * row)
+            got = f.readinto(buf)
+        if got != len(buf):
+            raise BundleError(f"{path}: {group}/{name} is truncated; the bundle is damaged")
+        if not buf:
+            return torch.empty([stop - start, *shape[1:]], dtype=getattr(torch, e["dtype"]))
+        return torch.frombuffer(buf, dtype=getattr(torch, e["dtype"])).reshape([stop - start, *shape[1:]])
+
+    def verify(self, group: str, name: str, block: int = 1 << 26) -> None:
+        """Check one tensor's stored bytes against the manifest's sha256, ``block`` bytes at a time."""
+        e = self.entry(group, name)
+        offset, nbytes = self._where[(group, name)]
+        h = hashlib.sha256()
+        with open(self.path / e["file"], "rb") as f:
+            f.seek(offset)
+            left = nbytes
+            while left:
+                data = f.read(min(block, left))
+                if not data:
+                    break
+                h.update(data)
+                left -= len(data)
+        if left or h.hexdigest() != e["sha256"]:
+            raise BundleError(
+                f"{self.path}: {group}/{name} does not match its sha256 in the manifest; the bundle "
+                "is damaged or was edited, capture it again"
+            )
+
     def load_group(self, group: str, *, verify: bool = True) -> dict[str, torch.Tensor]:
         return {n: self.load(group, n, verify=verify) for n in self.names(group)}
 

@@ -33,6 +33,13 @@ target logit comes from the rank holding it, and the gradient of hidden is summe
 
 Memory: O(rows x chunk) for one logit block (default 4096 x 4096: 128 MiB in float64) plus
 O(N) row statistics; the backward's gradients are the size of hidden and weight.
+
+Weight by rows (``RowSource``, the streaming replay): the weight is never whole. ``rows(v0, v1)``
+gives chunk C's rows (read from the capture and upcast where they are needed: once in the forward,
+once in the backward) and ``grad(v0, v1, g)`` takes grad_weight[C] as soon as it is final (written
+to the oracle by chunks). The same ops in the same order as with a weight tensor: bitwise equal.
+Memory: one chunk of the weight and of its gradient instead of both whole (2 x 4.6 GiB for
+Qwen3-VL-8B's head in float64).
 """
 
 from __future__ import annotations
@@ -50,6 +57,27 @@ _LOW = (torch.float16, torch.bfloat16)
 
 class HeadLossInputError(RecipeError):
     """Hidden states, head weight or labels that do not fit together."""
+
+
+class RowSource:
+    """A (V, H) head weight read and its gradient written by vocabulary rows (see the docstring)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    ndim = 2
+
+    def rows(self, v0: int, v1: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad(self, v0: int, v1: int, g: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """Every chunk's gradient was given."""
+
+
+def _rows(weight, v0: int, v1: int) -> torch.Tensor:
+    return weight.rows(v0, v1) if isinstance(weight, RowSource) else weight[v0:v1]
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -73,7 +101,7 @@ class _HeadLoss(torch.autograd.Function):
         s = torch.zeros(n, dtype=acc, device=hidden.device)
         target = torch.zeros(n, dtype=acc, device=hidden.device)
         for v0, v1 in _spans(V, chunk):
-            w = weight[v0:v1]  # (c, H)
+            w = _rows(weight, v0, v1)  # (c, H)
             for r0, r1 in _spans(n, row_chunk):
                 z = _logits(hidden[r0:r1], w)  # (r, c)
                 m_new = torch.maximum(m[r0:r1], z.amax(-1))
@@ -93,21 +121,24 @@ class _HeadLoss(torch.autograd.Function):
         lse = m + torch.log(s)  # (N',)
         per_row = lse - target
         loss = (per_row * token_weight).sum() if token_weight is not None else per_row.sum()
-        ctx.save_for_backward(hidden, weight, labels, lse, token_weight)
-        ctx.args = (chunk, row_chunk, group)
+        source = weight if isinstance(weight, RowSource) else None
+        ctx.save_for_backward(hidden, None if source else weight, labels, lse, token_weight)
+        ctx.args = (chunk, row_chunk, group, source)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         hidden, weight, labels, lse, token_weight = ctx.saved_tensors
-        chunk, row_chunk, group = ctx.args
+        chunk, row_chunk, group, source = ctx.args
+        weight = source if source is not None else weight
         n, V = hidden.shape[0], weight.shape[0]
         scale = g * token_weight if token_weight is not None else g.expand(n)  # (N',) dL/dloss_row
         gh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for v0, v1 in _spans(V, chunk):
-            w = weight[v0:v1]  # (c, H)
+            w = _rows(weight, v0, v1)  # (c, H)
+            gc = torch.zeros_like(w) if source is not None else None  # grad_weight[C], given away when final
             for r0, r1 in _spans(n, row_chunk):
                 h = hidden[r0:r1]
                 dz = torch.exp(_logits(h, w) - lse[r0:r1].unsqueeze(-1))  # (r, c): softmax probabilities
@@ -119,6 +150,12 @@ class _HeadLoss(torch.autograd.Function):
                     gh[r0:r1] += dz @ w
                 if gw is not None:
                     gw[v0:v1] += dz.T @ h
+                if gc is not None:
+                    gc += dz.T @ h
+            if gc is not None:
+                source.grad(v0, v1, gc)
+        if source is not None:
+            source.done()
         if gh is not None and group is not None:
             dist.all_reduce(gh, dist.ReduceOp.SUM, group)  # hidden's gradient: the sum over the shards
         return gh, gw, None, None, None, None, None
@@ -147,7 +184,7 @@ def head_loss(
             f"hidden {tuple(hidden.shape)} must be (N, H) and the head weight {tuple(weight.shape)} (V, H) with the same H; "
             "flatten the batch and sequence dimensions of hidden first"
         )
-    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():  # a RowSource states shape and dtype too
         raise HeadLossInputError(f"hidden ({hidden.dtype}) and the head weight ({weight.dtype}) must share one floating dtype")
     if labels.shape != hidden.shape[:1] or labels.is_floating_point():
         raise HeadLossInputError(f"labels {tuple(labels.shape)} {labels.dtype} must be integer class ids, one per hidden row")
@@ -156,7 +193,7 @@ def head_loss(
     if chunk < 1 or row_chunk < 1:
         raise HeadLossInputError(f"chunk sizes must be positive, got chunk={chunk}, row_chunk={row_chunk}")
     V = weight.shape[0]
-    weight, offset, group = _vocabulary_shard(weight)
+    weight, offset, group = _vocabulary_shard(weight) if not isinstance(weight, RowSource) else (weight, 0, None)
     keep = labels != ignore_index
     bad = labels[keep & ((labels < 0) | (labels >= V))]
     if bad.numel():

@@ -91,6 +91,7 @@ def replay(
     progress: bool = False,
     max_memory: int | None = None,
     activation_budget: int | None = None,
+    token_chunk: int | None = None,
     split: str = "tensor",
 ) -> Path:
     """Replay ``capture`` into ``out``; with ``max_memory`` (bytes) through the streaming engine.
@@ -137,7 +138,8 @@ def replay(
         from .streaming.driver import replay_streamed
 
         return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
-                               progress=progress, base=base, t0=t0, activation_budget=activation_budget)  # fmt: skip
+                               progress=progress, base=base, t0=t0, activation_budget=activation_budget,
+                               token_chunk=token_chunk)  # fmt: skip
     if dtype == "fp64":
         summed: list[str] = []  # tensor parallel (oracle/parallel/tensor_parallel.py): gradients summed over ranks
 

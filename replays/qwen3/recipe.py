@@ -126,6 +126,9 @@ class Qwen3Recipe(Recipe):
     def boundaries(self) -> dict[str, str]:
         return {"layers": r"^model\.layers\.\d+$", "head": r"^lm_head$"}
 
+    def stream_token_modules(self) -> str:
+        return r"^model\.layers\.\d+\.mlp$"
+
     def stream_units(self) -> str:
         return r"^model\.(layers\.\d+|embed_tokens)$"
 

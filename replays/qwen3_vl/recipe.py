@@ -122,6 +122,9 @@ class Qwen3VLRecipe(Recipe):
             ]),
         }  # fmt: skip
 
+    def stream_token_modules(self) -> str:
+        return r"^model\.language_model\.layers\.\d+\.mlp$|^model\.visual\.blocks\.\d+\.mlp$"
+
     def stream_units(self) -> str:
         return (r"^model\.language_model\.(layers\.\d+|embed_tokens)$|^model\.visual\.(blocks\.\d+|merger"
                 r"|deepstack_merger_list\.\d+|patch_embed)$")  # fmt: skip

@@ -1,11 +1,10 @@
 """``oracle replay --max-memory SIZE``: the streaming replay driven end to end (engine: stream.py).
 
 The budget is split once, before the step: what the process holds anyway (its resident set after
-the model skeleton and the resident parameters), the largest unit twice (its float64 weights and
-their gradients during its backward), and a working set for one unit's recomputation (6 times the
-tokens it sees times the widest hidden size: MLP intermediates and their gradients); the rest holds
-module-boundary activations in memory, the oldest spilled to disk past it. A budget below the
-fixed part is refused with the size that would do (exit 2).
+the model skeleton and the resident parameters) and the largest need of one unit or of the head
+(its weights, their gradients and its recomputation's working set: streaming/budget.py, the same
+estimate ``--dry-run`` prints); the rest holds module-boundary activations in memory, the oldest
+spilled to disk past it. A budget below the fixed part is refused with the size that would do (exit 2).
 """
 
 from __future__ import annotations
@@ -23,17 +22,8 @@ from ...bundle.store import Bundle, BundleWriter
 from ...errors import RecipeError, UsageError
 from ...parallel import distributed
 from ...precision.mode import PrecisionMode
-from .engine import StreamEngine, largest_unit_bytes, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
-
-WORKING_SET_FACTOR = (
-    6  # a unit recomputed holds ~this many (tokens x widest hidden) tensors: MLP gate, up, product and their grads
-)
-
-
-def unit_reserve(cap: Bundle, compute: torch.dtype, largest_unit: int) -> int:
-    """What streaming one unit needs besides the process itself: the largest unit's weights and
-    their gradients, and its recomputation's working set (the split stated in the module docstring)."""
-    return 2 * largest_unit + WORKING_SET_FACTOR * _largest_input_bytes(cap, compute)
+from . import budget as budgets
+from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
 
 def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
@@ -46,28 +36,11 @@ def _header(cap: Bundle, dtype: str, ensemble: int) -> dict[str, Any]:
     return head
 
 
-def _largest_input_bytes(cap: Bundle, compute: torch.dtype) -> int:
-    """The largest boundary tensor a unit receives, from the inputs alone: tokens (or patches) x the
-    widest hidden size of the config, in the compute dtype."""
-    tokens = 0
-    for name, e in cap.manifest["tensors"].get("inputs", {}).items():
-        if name in ("input_ids", "tokens", "pixel_values"):
-            tokens = max(tokens, int(e["shape"][0]) if name == "pixel_values" else int(torch.tensor(e["shape"]).prod()))
-    cfg = cap.manifest["recipe"]["config"]
-    widths = [v for k, v in _walk(cfg) if k in ("hidden_size", "intermediate_size", "out_hidden_size") and isinstance(v, int)]
-    return tokens * max(widths or [1]) * torch.empty((), dtype=compute).element_size()
-
-
-def _walk(d: Any):
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield k, v
-            yield from _walk(v)
-
-
 def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
-                    base: dict[str, Any], t0: float, activation_budget: int | None = None) -> Path:  # fmt: skip
-    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling)."""
+                    base: dict[str, Any], t0: float, activation_budget: int | None = None,
+                    token_chunk: int | None = None) -> Path:  # fmt: skip
+    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
+    ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK)."""
     from ..setup import carry_inputs_and_weights, recipe_of
 
     tame_malloc()
@@ -97,21 +70,20 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
         build_mode = PrecisionMode(compute)
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
-                              progress=progress and distributed.is_main())  # fmt: skip
-        fixed = rss_bytes() + unit_reserve(cap, compute, largest_unit_bytes(engine))
+                              progress=progress and distributed.is_main(),
+                              **({} if token_chunk is None else {"token_chunk": token_chunk}))  # fmt: skip
+        reserve = budgets.need(cap, engine.model, recipe, compute, token_chunk)
+        fixed = rss_bytes() + reserve["bytes"]
         if budget < fixed:
-            raise UsageError(
-                f"--max-memory {budget / 2**30:.2f} GiB is below what one unit needs alongside the process "
-                f"(about {fixed / 2**30:.2f} GiB: resident set, the largest unit's weights and gradients, its "
-                f"recomputation); raise it to at least {fixed / 2**30 * 1.1:.1f}G"
-            )
+            raise UsageError(budgets.refusal(budget, fixed, reserve["by"]))
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
         torch.manual_seed(0)
         loss = engine.run(inputs, reduction)
         member_promotions = mode.promotions + build_mode.promotions
         promotions += member_promotions
         stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
-                 "store_budget": engine.store.budget, "fixed_estimate": fixed}  # fmt: skip
+                 "store_budget": engine.store.budget, "fixed_estimate": fixed,
+                 "disk_written": stats.get("disk_written", 0) + engine.store.written + engine.journal.written}  # fmt: skip
         (work / member / "end.json").write_text(
             json.dumps({"loss": loss, "order": engine.order, "promotions": member_promotions})
         )

@@ -10,7 +10,9 @@ forward   each unit call is one autograd node (``_UnitCall``). Its float64 weigh
           memory up to the budget, the oldest spilled to disk past it). Everything between units
           (residual glue, deepstack additions, the final norm, rotary tables) is ordinary autograd.
 head/loss the head and loss run by vocabulary chunks (oracle/replay/headloss.py): the head weight is
-          materialised for the loss and freed as soon as its gradient is written.
+          read from the capture by chunks and its gradient written by chunks (head.py); a token
+          embedding holds only the rows the step used (embedding.py); per-token submodules (the
+          recipe's MLPs) run by token chunks inside a unit (tokens.py).
 backward  autograd reaches a unit's node: its inputs are taken back, its weights materialised, the
           unit is run again from those inputs (the same ops in the same order as the forward, so
           the same values bitwise) with autograd on, and backpropagated from the gradient arriving
@@ -52,10 +54,15 @@ from ...errors import UsageError
 from ...precision.mode import PrecisionMode
 from ..loss import chunked_head
 from ..setup import use_replay_attention
+from .embedding import UsedRows, by_rows, write_dense
+from .head import CaptureHead
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .spill import ActivationStore
+from .tokens import CHUNK as TOKEN_CHUNK
+from .tokens import chunk_tokens
 
 JOURNAL = "journal.jsonl"
+DROPPED = object()  # a call's input gradients, dropped from the journal once nothing needs them
 
 
 def tame_malloc() -> None:
@@ -79,7 +86,8 @@ def _trim() -> None:
 class _Call:
     """One call of one unit: what its backward needs."""
 
-    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen")
+    __slots__ = ("unit", "index", "handle", "leaves", "spec", "tensor_pos", "requires", "low", "out_spec", "out_pos", "gen",
+                 "producers", "keep")
 
     def __init__(self, unit: str, index: int):
         self.unit, self.index = unit, index
@@ -99,35 +107,47 @@ class _UnitCall(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def partition(model: torch.nn.Module, recipe) -> tuple[list[str], dict[str, list[str]], str | None, list[str]]:
+    """(streamed units, each unit's parameter names, the streamed head or None, resident parameters)
+    of a skeleton: the recipe's units, outermost only, less those holding a tied parameter."""
+    names = [n for n, _ in model.named_modules()]
+    rx = recipe.stream_units()
+    units = [n for n in select(model, rx)] if rx else []
+    units = [u for u in units if not any(u != o and u.startswith(o + ".") for o in units)]
+    shared = shared_parameters(model, units)
+    unit_params: dict[str, list[str]] = {}
+    for u in units:
+        mod = model.get_submodule(u)
+        ps = [f"{u}.{n}" for n, _ in mod.named_parameters()]
+        if any(p in shared for p in ps):
+            continue  # a unit holding a tied parameter is not streamed: it stays resident
+        unit_params[u] = ps
+    units = [u for u in units if u in unit_params]
+    in_units = {p for ps in unit_params.values() for p in ps}
+    head = "lm_head" if "lm_head" in names and "lm_head.weight" not in shared else None
+    resident = [n for n, _ in model.named_parameters() if n not in in_units and not (head and n == "lm_head.weight")]
+    return units, unit_params, head, resident
+
+
+def token_chunked(model: torch.nn.Module, recipe, units: list[str]) -> list[str]:
+    """The recipe's per-token submodules inside streamed units (run by token chunks, tokens.py)."""
+    trx = recipe.stream_token_modules()
+    return [n for n in select(model, trx) if any(n.startswith(u + ".") for u in units)] if trx else []
+
+
 class StreamEngine:
     """One streamed forward+backward of a captured step. ``run()`` returns the loss; gradients go
     to ``work`` as shards (journal lines) as they become final."""
 
     def __init__(self, cap: Bundle, recipe, mode: PrecisionMode, build_mode: PrecisionMode, compute: torch.dtype,
-                 work: Path, *, budget: int | None, member: str = "grads", progress: bool = False) -> None:  # fmt: skip
+                 work: Path, *, budget: int | None, member: str = "grads", progress: bool = False,
+                 token_chunk: int = TOKEN_CHUNK) -> None:  # fmt: skip
         self.cap, self.recipe, self.mode, self.compute = cap, recipe, mode, compute
         self.work, self.member, self.progress = work, member, progress
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
         use_replay_attention(self.model, mode.round_to)
         self.weights = Weights(cap, compute)
-        names = [n for n, _ in self.model.named_modules()]
-        rx = recipe.stream_units()
-        self.units = [n for n in select(self.model, rx)] if rx else []
-        self.units = [u for u in self.units if not any(u != o and u.startswith(o + ".") for o in self.units)]
-        shared = shared_parameters(self.model, self.units)
-        self.unit_params: dict[str, list[str]] = {}
-        for u in self.units:
-            mod = self.model.get_submodule(u)
-            ps = [f"{u}.{n}" for n, _ in mod.named_parameters()]
-            if any(p in shared for p in ps):
-                continue  # a unit holding a tied parameter is not streamed: it stays resident
-            self.unit_params[u] = ps
-        self.units = [u for u in self.units if u in self.unit_params]
-        in_units = {p for ps in self.unit_params.values() for p in ps}
-        self.head = "lm_head" if "lm_head" in names and "lm_head.weight" not in shared else None
-        self.resident = [
-            n for n, _ in self.model.named_parameters() if n not in in_units and not (self.head and n == "lm_head.weight")
-        ]
+        self.units, self.unit_params, self.head, self.resident = partition(self.model, recipe)
         for n in self.resident:  # small or shared: loaded once, ordinary autograd
             mod_name, _, pname = n.rpartition(".")
             m = self.model.get_submodule(mod_name) if mod_name else self.model
@@ -140,9 +160,14 @@ class StreamEngine:
         self.done_calls: dict[str, int] = {}
         self.journal = _Journal(work, member)
         self.order: list[str] = []  # gradient completion order: the backward order
+        self.consumers: dict[tuple[str, int], list[_Call]] = {}  # call -> the calls its outputs went to
         self._bars: dict[str, Any] = {}
         for u in self.units:
             self._wrap(u)
+        self.token_chunked = token_chunked(self.model, recipe, self.units)
+        self.by_rows: dict[str, dict[int, UsedRows]] = {u: {} for u in self.units if by_rows(self.model.get_submodule(u))}
+        for n in self.token_chunked:  # per-token submodules run by token chunks (tokens.py)
+            chunk_tokens(self.model.get_submodule(n), mode, token_chunk)
 
     # -- wiring -------------------------------------------------------------------------------
     def _wrap(self, unit: str) -> None:
@@ -159,6 +184,7 @@ class StreamEngine:
             tensors = [call.leaves[i] for i in call.tensor_pos]
             call.requires = [t.requires_grad and t.is_floating_point() for t in tensors]
             call.low = [engine.mode._is_low(t) for t in tensors]
+            engine._trace(call, [t for t, r in zip(tensors, call.requires) if r])
             outs = _UnitCall.apply(engine, call, engine.anchor, *tensors)
             leaves = list(call.out_spec[0])
             for pos, o in zip(call.out_pos, outs):
@@ -180,9 +206,14 @@ class StreamEngine:
         module = self.model.get_submodule(call.unit)
         call.handle = self.store.put(tensors)
         call.gen = self.mode._gen.get_state() if self.mode._gen is not None else None
-        materialize(module, call.unit + ".", self.weights, requires_grad=False)
-        out = self._run(call, tensors)
-        evict(module)
+        if call.unit in self.by_rows:  # a token embedding: only the used rows (embedding.py)
+            rows = self.by_rows[call.unit][call.index] = UsedRows(self.cap, call.unit + ".weight", self.compute,
+                                                                  tensors[0], module.padding_idx)  # fmt: skip
+            out = rows.forward(rows.weight(requires_grad=False))
+        else:
+            materialize(module, call.unit + ".", self.weights, requires_grad=False)
+            out = self._run(call, tensors)
+            evict(module)
         leaves, spec = tree_flatten(out)
         call.out_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call.out_spec = ([None if isinstance(x, torch.Tensor) else x for x in leaves], spec)
@@ -192,6 +223,8 @@ class StreamEngine:
 
     def _backward_unit(self, call: _Call, grad_outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         saved = self.journal.grad_inputs(call.unit, call.index)
+        if saved is DROPPED:  # no longer needed: the units that would receive it are finished
+            saved = [None] * len(call.requires)
         if saved is not None and self.journal.unit_done(call.unit):
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
@@ -200,6 +233,8 @@ class StreamEngine:
                 self.order += [p for p in self.unit_params[call.unit] if p in written]
             self._tick("backward", call.unit)
             return saved
+        if call.unit in self.by_rows:
+            return self._backward_rows(call, grad_outs)
         module = self.model.get_submodule(call.unit)
         tensors = self.store.take(call.handle)
         inputs = []
@@ -234,6 +269,7 @@ class StreamEngine:
         self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
         last = self.done_calls[call.unit] == self.calls[call.unit]
         self.journal.record_call(call.unit, call.index, grads)
+        self._drop_consumed((call.unit, call.index))
         if last:
             grads_of_unit = self.pending.pop(call.unit)
             self.order += [p for p in self.unit_params[call.unit] if p in grads_of_unit]
@@ -242,23 +278,80 @@ class StreamEngine:
         self._tick("backward", call.unit)
         return grads
 
+    def _backward_rows(self, call: _Call, grad_outs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A token embedding's backward: the used rows' gradient, accumulated over its calls, written
+        dense by chunks when the last call is done."""
+        self.store.take(call.handle)
+        rows = self.by_rows[call.unit].pop(call.index)
+        w = rows.weight(requires_grad=True)
+        with torch.enable_grad():
+            out = rows.forward(w)
+            if grad_outs[0] is not None:
+                torch.autograd.backward([out], [grad_outs[0]])
+        g = w.grad if w.grad is not None else torch.zeros_like(w)
+        acc = self.pending.get(call.unit)
+        if acc is not None:  # a second call of the same embedding: sum over the union of their rows
+            used = torch.unique(torch.cat([acc[0], rows.used]), sorted=True)
+            total = torch.zeros((used.numel(), g.shape[1]), dtype=g.dtype)
+            total[torch.searchsorted(used, acc[0])] += acc[1]
+            total[torch.searchsorted(used, rows.used)] += g
+            self.pending[call.unit] = (used, total)
+        else:
+            self.pending[call.unit] = (rows.used, g)
+        del w, out
+        self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
+        grads = [None] * len(call.requires)
+        self.journal.record_call(call.unit, call.index, grads)
+        self._drop_consumed((call.unit, call.index))
+        if self.done_calls[call.unit] == self.calls[call.unit]:
+            used, g = self.pending.pop(call.unit)
+            name = call.unit + ".weight"
+            path = self.journal.new_shard()
+            entry = write_dense(path.with_suffix(".tmp"), name, list(self.cap.entry("weights", name)["shape"]), used, g)
+            os.replace(path.with_suffix(".tmp"), path)
+            self.order.append(name)
+            self.journal.commit_file(call.unit, path, {name: entry})
+        self._tick("backward", call.unit)
+        return grads
+
+    # -- what resume needs, held once --------------------------------------------------------------
+    # A finished call's input gradients are journalled so that a resumed run can hand them on without
+    # recomputing the unit. They are needed only until every unit that produced those inputs has
+    # finished too (a resumed run skips those, ignoring what they receive), and for ever where the
+    # gradient also reaches a resident parameter through the glue between units (its gradient is
+    # summed at the end of the backward). The forward records, per call, the unit calls its inputs
+    # come from (a walk of the glue's autograd graph back to them); the journal drops the file then.
+    def _trace(self, call: _Call, tensors: list[torch.Tensor]) -> None:
+        producers, keep, seen = set(), False, set()
+        stack = [t.grad_fn for t in tensors]
+        keep = any(t.grad_fn is None and t.requires_grad for t in tensors)  # a leaf input: its gradient is a result
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            other = getattr(fn, "call", None)
+            if isinstance(other, _Call):
+                producers.add((other.unit, other.index))
+                continue
+            if hasattr(fn, "variable"):  # AccumulateGrad: a leaf (a resident parameter, or the anchor)
+                keep = keep or fn.variable is not self.anchor
+                continue
+            stack.extend(f for f, _ in fn.next_functions)
+        call.producers, call.keep = producers, keep
+        for p in producers:
+            self.consumers.setdefault(p, []).append(call)
+
+    def _drop_consumed(self, done: tuple[str, int]) -> None:
+        for c in self.consumers.get(done, []):
+            if not c.keep and all(self.journal.call_recorded(*p) for p in c.producers):
+                self.journal.drop_call(c.unit, c.index)
+
     # -- the head ----------------------------------------------------------------------------------
-    def _prepare_head(self, head: torch.nn.Module) -> torch.Tensor:
+    def _prepare_head(self, head: torch.nn.Module):
         if self.head is None or head.weight.device != META:
             return head.weight
-        w = torch.nn.Parameter(self.weights.load("lm_head.weight"), requires_grad=True)
-        head._parameters["weight"] = w
-
-        def done(p: torch.Tensor) -> None:
-            self.order.append("lm_head.weight")
-            self.journal.write_unit("lm_head", {"lm_head.weight": p.grad})  # a no-op for a resumed, written head
-            p.grad = None
-            p.data = torch.empty(0, dtype=p.dtype)  # the weight's storage goes now, not at the end of the backward
-            head._parameters["weight"] = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=META))
-            _trim()
-
-        w.register_post_accumulate_grad_hook(done)
-        return w
+        return CaptureHead(self.cap, self.compute, self.journal, self.order)  # by vocabulary chunks (head.py)
 
     # -- progress ----------------------------------------------------------------------------------
     def _tick(self, phase: str, unit: str) -> None:
@@ -303,7 +396,12 @@ class _Journal:
         self.path = self.dir / JOURNAL
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
+        self.dropped: set[tuple[str, int]] = set()
+        self.written = 0  # bytes of the files written (shards and input gradients)
         for rec in read_journal(self.dir):
+            if rec["kind"] == "drop":
+                self.dropped.add((rec["unit"], rec["index"]))
+                continue
             if not (self.dir / rec["file"]).is_file():
                 continue
             if rec["kind"] == "unit":
@@ -318,8 +416,7 @@ class _Journal:
             f.flush()
             os.fsync(f.fileno())
 
-    @staticmethod
-    def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    def _save(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
         tmp = path.with_suffix(".tmp")
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
         fd = os.open(tmp, os.O_RDONLY)
@@ -328,11 +425,26 @@ class _Journal:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        self.written += path.stat().st_size
 
     def unit_done(self, unit: str) -> bool:
         return unit in self.units
 
+    def call_recorded(self, unit: str, index: int) -> bool:
+        return (unit, index) in self.calls or (unit, index) in self.dropped
+
+    def drop_call(self, unit: str, index: int) -> None:
+        """The call's input gradients are no longer needed: journalled as dropped, then removed."""
+        f = self.calls.pop((unit, index), None)
+        if f is None:
+            return
+        self._append({"kind": "drop", "unit": unit, "index": index})
+        self.dropped.add((unit, index))
+        (self.dir / f).unlink(missing_ok=True)
+
     def grad_inputs(self, unit: str, index: int) -> list[torch.Tensor | None] | None:
+        if (unit, index) in self.dropped:
+            return DROPPED
         f = self.calls.get((unit, index))
         if f is None:
             return None
@@ -341,7 +453,7 @@ class _Journal:
         return [d.get(str(i)) for i in range(n)]
 
     def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None]) -> None:
-        if (unit, index) in self.calls:
+        if self.call_recorded(unit, index):
             return
         f = f"gin-{_slug(unit)}-{index}.safetensors"
         tensors = {str(i): g for i, g in enumerate(grads) if g is not None}
@@ -349,6 +461,17 @@ class _Journal:
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
         self._append({"kind": "call", "unit": unit, "index": index, "file": f})
+
+    def new_shard(self) -> Path:
+        self._shard += 1
+        return self.dir / f"shard-{self._shard:05d}.safetensors"
+
+    def commit_file(self, unit: str, path: Path, entries: dict[str, dict]) -> None:
+        """A shard written elsewhere (by rows, oracle/bundle/rows.py), fsynced and in place: journalled."""
+        self.written += path.stat().st_size
+        rec = {"kind": "unit", "unit": unit, "file": path.name, "entries": entries}
+        self.units[unit] = rec
+        self._append(rec)
 
     def write_unit(self, unit: str, grads: dict[str, torch.Tensor]) -> None:
         if unit in self.units or not grads:
@@ -432,12 +555,3 @@ def max_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def largest_unit_bytes(engine: StreamEngine) -> int:
-    best = 0
-    for ps in engine.unit_params.values():
-        best = max(best, sum(engine.weights.nbytes(p) for p in ps))
-    if engine.head:
-        best = max(best, engine.weights.nbytes("lm_head.weight"))
-    return best

@@ -23,7 +23,6 @@ import torch
 
 from ... import precision as precisions
 from ...bundle.store import Bundle
-from ...capture.modules import select
 from ...precision.mode import PrecisionMode
 from .materialize import skeleton
 
@@ -61,25 +60,23 @@ def _samples(cap: Bundle, total: int) -> list[int]:
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int | None = None) -> dict[str, Any]:
+def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int | None = None,
+         activation_budget: int | None = None, token_chunk: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The dry run's numbers; ``fits`` is False exactly when the run would refuse ``budget``
+    (``activation_budget`` and ``token_chunk`` as the run's test overrides)."""
     from ..setup import recipe_of
-    from .driver import _largest_input_bytes, unit_reserve
+    from . import budget as budgets
 
     recipe = recipe_of(cap)
     compute = precisions.emulation(dtype)[0]
     size = torch.empty((), dtype=compute).element_size()
     model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, PrecisionMode(compute))
     tensors = cap.manifest["tensors"].get("inputs", {})
-    ids = next((e for n, e in tensors.items() if n in ("input_ids", "tokens")), None)
-    T = int(torch.tensor(ids["shape"]).prod()) if ids else 0
-    patches = int(tensors["pixel_values"]["shape"][0]) if "pixel_values" in tensors else 0
+    T, patches = budgets.tensor_counts(tensors)
     lengths = _samples(cap, T)
     images = cap.load("inputs", "image_grid_thw").prod(-1).tolist() if "image_grid_thw" in tensors else []
     passes = 4 if streamed else 3
-    rx = recipe.stream_units() or ""
-    units = [u for u in select(model, rx)] if rx else []
     flops = {"linear": 0.0, "attention": 0.0, "head": 0.0}
-    unit_bytes = 0
     for name, mod in model.named_modules():
         vision = "visual" in name
         if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
@@ -90,36 +87,115 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
                 flops["attention"] += sum(4 * p * p * d for p in images) * passes
             else:
                 flops["attention"] += sum(2 * length * length * d for length in lengths) * passes
-    for u in units:
-        unit_bytes = max(unit_bytes, sum(p.numel() for p in model.get_submodule(u).parameters()) * size)
     head = getattr(model, "lm_head", None)
-    n_loss = 0
-    if "labels" in tensors:
-        labels = cap.load("inputs", "labels")
-        n_loss = int((labels != -100).sum())
+    n_loss = int((cap.load("inputs", "labels") != -100).sum()) if "labels" in tensors else 0
     if head is not None:
         flops["head"] = 2 * n_loss * head.weight.numel() * 4
-        unit_bytes = max(unit_bytes, head.weight.numel() * size)
     n_params = sum(p.numel() for p in model.parameters())
     total = sum(flops.values())
     rate = gemm_rate()
-    hidden = _largest_input_bytes(cap, compute) // max(T, 1) if T else 0
-    n_units = len(units)
-    activations = n_units * max(T, patches) * hidden  # boundary inputs kept for the backward (upper bound)
-    fixed = unit_reserve(cap, compute, unit_bytes)
-    store_budget = None if budget is None else max(budget - fixed, 0)
+    need = budgets.need(cap, model, recipe, compute, token_chunk)
+    units = need["units"]
+    bounds = boundaries(model, units, cap.manifest["recipe"]["config"], T, patches, size)
+    inputs_bytes = sum(_numel(e) * (size if e["dtype"].startswith(("float", "bfloat")) else _itemsize(e["dtype"]))
+                       for e in tensors.values())  # fmt: skip
+    process = _base_rss() + need["resident"] + inputs_bytes  # the run measures this as its resident set
+    fixed = process + need["bytes"]
+    activations = bounds["activations"]
+    if activation_budget is not None:
+        store_budget = activation_budget
+    else:
+        store_budget = None if budget is None else max(budget - fixed, 0)
     spill = 0 if store_budget is None else max(activations - store_budget, 0)
     captured = sum(e["nbytes"] for e in _file_sizes(cap))
+    held = disk_held(model, units, bounds["per_unit"], spill, size)
+    fits = budget is None or budget >= fixed
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
-        "parameters": n_params, "units": n_units, "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
+        "parameters": n_params, "units": len(units), "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
         "estimated_seconds": total / (rate * EFFICIENCY),
-        "memory": {"fixed_without_process": fixed, "activations": activations, "activations_in_memory": activations - spill,
-                   "peak_estimate": fixed + (activations - spill) + _base_rss()},
-        "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": activations,
-                 "inputs_and_weights": captured},
-        "budget": budget,
+        "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
+                   "activations": activations, "activations_in_memory": activations - spill,
+                   "peak_estimate": fixed + (activations - spill)},
+        "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
+                 "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured},
+        "budget": budget, "fits": fits,
+        "refusal": None if fits else budgets.refusal(budget, fixed, need["by"]),
     }  # fmt: skip
+
+
+def boundaries(model: torch.nn.Module, units: list[str], config: dict[str, Any], T: int, P: int, size: int) -> dict[str, int]:
+    """Bytes of the boundary tensors the streamed units receive, at their real widths, and of the
+    gradients of those that require one (the resume journal's input gradients):
+        decoder layer      T x text hidden (+ the rotary cos, sin: 2 x T x head_dim, stored once for all layers)
+        ViT block, merger  P x vision hidden (+ rotary 2 x P x vision head dim, once); a deepstack merger
+                           reads a block's output that the next block receives too: stored once
+        patch embedding    the pixel rows, P x (channels x temporal x patch^2), no gradient
+        token embedding    the token ids (int64), no gradient"""
+    text = config.get("text_config", config)
+    vision = config.get("vision_config") or {}
+    ht = int(text.get("hidden_size", 0))
+    hd = int(text.get("head_dim") or ht // max(int(text.get("num_attention_heads", 1)), 1))
+    hv = int(vision.get("hidden_size", 0))
+    hvd = hv // max(int(vision.get("num_heads", 1)), 1)
+    per_unit = []  # (activation bytes, input-gradient bytes) per unit, in forward order
+    rotary_text = rotary_vision = False
+    for u in units:
+        mod = model.get_submodule(u)
+        a = g = 0
+        if isinstance(mod, torch.nn.Embedding):
+            a = T * 8
+        elif "visual" in u and not any(isinstance(m, torch.nn.Linear) for m in mod.modules()):
+            a = P * sum(p.numel() for p in mod.parameters() if p.ndim > 1) // max(hv, 1) * size  # pixel rows
+        elif "visual" in u:
+            a = 0 if "deepstack" in u else P * hv * size
+            g = P * hv * size
+            if "blocks" in u and not rotary_vision:
+                a, rotary_vision = a + 2 * P * hvd * size, True
+        else:
+            a = g = T * ht * size
+            if not rotary_text:
+                a, rotary_text = a + 2 * T * hd * size, True
+        per_unit.append((a, g))
+    return {"activations": sum(a for a, _ in per_unit), "input_grads": sum(g for _, g in per_unit), "per_unit": per_unit}
+
+
+def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int, int]], spill: int, size: int) -> int:
+    """The most bytes the work directory holds at once. The spill is the oldest units' inputs; the
+    backward walks the units from the last: the head's gradient shard first, then per unit its
+    shard and its input gradients appear and its spilled inputs go; input gradients are held until
+    the unit feeding them is done (here: the last two), the resident parameters' shard comes last."""
+    left, spilled = spill, []
+    for a, _ in per_unit:
+        spilled.append(min(a, left))
+        left -= spilled[-1]
+    in_units = set()
+    disk = spill
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        disk += head.weight.numel() * size
+    peak, held = disk, []
+    for u, (_, g), s in reversed(list(zip(units, per_unit, spilled))):
+        params = list(model.get_submodule(u).parameters())
+        in_units.update(id(p) for p in params)
+        disk += sum(p.numel() for p in params) * size + g - s
+        held.append(g)
+        if len(held) > 2:
+            disk -= held.pop(0)
+        peak = max(peak, disk)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_units and p is not getattr(head, "weight", None))
+    return max(peak, disk + rest * size)
+
+
+def _numel(e: dict) -> int:
+    n = 1
+    for s in e["shape"]:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _base_rss() -> int:
@@ -149,10 +225,13 @@ def render(p: dict[str, Any]) -> str:
         f"{p['loss_tokens']} loss tokens, {_count(p['parameters'])} parameters, {p['units']} streamed units, {p['dtype']}",
         f"  FLOPs    {p['total_flops']:.3e}  (linear {f['linear']:.2e}, attention {f['attention']:.2e}, head+loss {f['head']:.2e})",
         f"  time     about {p['estimated_seconds'] / 60:.1f} min here (float64 GEMM probe {p['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s x {EFFICIENCY})",
-        f"  memory   peak about {g(p['memory']['peak_estimate'])}" + (f" within --max-memory {g(p['budget'])}" if p["budget"] else "")
-        + f"; boundary activations {g(p['memory']['activations'])}, {g(p['memory']['activations_in_memory'])} of them in memory",
+        f"  memory   peak about {g(p['memory']['peak_estimate'])}"
+        + ((" within" if p["fits"] else " ABOVE") + f" --max-memory {g(p['budget'])}" if p["budget"] else "")
+        + f": process {g(p['memory']['process'])}, largest need {g(p['memory']['reserve'])} ({p['memory']['reserve_by']}), "
+        f"boundary activations {g(p['memory']['activations'])}, {g(p['memory']['activations_in_memory'])} of them in memory",
         f"  disk     oracle gradients {g(p['disk']['gradients'])}; capture files hard-linked (else copied: "
         f"{g(p['disk']['inputs_and_weights'])}); while running: spilled activations {g(p['disk']['spilled_activations'])}, "
-        f"resume journal up to {g(p['disk']['resume_journal'])}",
+        f"resume journal {g(p['disk']['resume_journal'])} written (the last finished units' held); "
+        f"at most {g(p['disk']['held_peak'])} held at once, {g(p['disk']['written'])} written in all",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -6,11 +6,15 @@ hidden state to a block and to a deepstack merger) is stored once: entries hold 
 blobs keyed by the tensor's identity. Past ``budget`` bytes the *oldest* blobs go to disk first
 (the backward needs the newest first), one safetensors file each, written with its bytes and read
 back bitwise; nothing is pickled. Files are removed as soon as their blob is no longer referenced.
+A spilled blob is still matched while the tensor it came from is alive (a weak reference): the rotary
+tables every decoder layer receives are written once, not once per layer. ``written`` counts the
+bytes of the files written (what ``--dry-run`` estimates as spilled activations).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -33,6 +37,7 @@ class ActivationStore:
         self.in_memory = 0
         self.peak_in_memory = 0
         self.spilled_bytes = 0
+        self.written = 0
 
     @staticmethod
     def _identity(t: torch.Tensor) -> tuple:
@@ -43,11 +48,14 @@ class ActivationStore:
         for t in tensors:
             ident = self._identity(t)
             key = self._key_of.get(ident)
-            if key is None or key not in self._blobs:
+            blob = self._blobs.get(key) if key is not None else None
+            if blob is not None and "tensor" not in blob and blob["weak"]() is None:
+                blob = None  # spilled, and its tensor is gone: the identity may be another tensor's now
+            if blob is None:
                 key = self._next
                 self._next += 1
                 self._key_of[ident] = key
-                self._blobs[key] = {"tensor": t.detach(), "refs": 0, "nbytes": nbytes(t), "ident": ident}
+                self._blobs[key] = {"tensor": t.detach(), "refs": 0, "nbytes": nbytes(t), "ident": ident, "weak": weakref.ref(t)}
                 self.in_memory += nbytes(t)
             self._blobs[key]["refs"] += 1
             keys.append(key)
@@ -73,7 +81,7 @@ class ActivationStore:
             blob["file"] = path
             self.in_memory -= blob["nbytes"]
             self.spilled_bytes += blob["nbytes"]
-            self._key_of.pop(blob["ident"], None)  # a spilled blob is never matched again (its tensor may be freed)
+            self.written += path.stat().st_size
 
     def take(self, handle: int) -> list[torch.Tensor]:
         out = []
@@ -86,7 +94,8 @@ class ActivationStore:
             blob["refs"] -= 1
             if blob["refs"] == 0:
                 self._blobs.pop(key)
-                self._key_of.pop(blob["ident"], None)
+                if self._key_of.get(blob["ident"]) == key:
+                    self._key_of.pop(blob["ident"])
                 if "tensor" in blob:
                     self.in_memory -= blob["nbytes"]
                 else:

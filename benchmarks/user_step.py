@@ -1,0 +1,200 @@
+"""The user's step: Qwen3-VL-8B SFT, 65536 tokens packed from 4 samples with one image each (issue 19).
+
+    python benchmarks/user_step.py plan                     # 36 layers, 65536 tokens: the dry run at 16G
+    python benchmarks/user_step.py cut [--tokens N] [--side S]   # 2 decoder layers, full ViT and head, run at 16G
+    options: --dir DIR (bundles; default a temporary directory), --config (Qwen3-VL-8B config.json)
+
+plan  writes a capture with Qwen3-VL-8B's shapes whose weights file is sparse (a valid safetensors
+      header, its data a hole: no disk, never read), and runs ``oracle replay --dry-run --max-memory 16G``
+      in a child process: does it fit, peak memory, disk while running (target < 200 GiB).
+cut   writes a capture with seeded random bf16 weights (2 decoder layers: 2.2 B parameters, 4.4 GB) and
+      runs the dry run and the streamed float64 replay at ``--max-memory 16G``, each in its own process:
+      measured peak RSS (ru_maxrss) vs the dry run's estimate (target within 10 %), bytes written vs
+      estimated, wall time; then extrapolates by the dry run's FLOP counts to 36 layers at 65536 tokens,
+      here (at the FLOP rate the run reached) and on one 64-core server (this machine's float64 GEMM
+      probe per core x 64, at the same fraction of the probe).
+Samples: random text ids, one ``side`` x ``side`` image each (448: 784 patches, 196 image tokens),
+labels on each sample's last quarter; mRoPE positions from transformers' own ``get_rope_index``,
+packed by the recipe (restarting text row, ``cu_seqlens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from streaming import run, vl8b_config, write_capture  # noqa: E402
+
+from oracle.bundle.store import Bundle, BundleWriter  # noqa: E402
+from oracle.capture.api import versions  # noqa: E402
+from oracle.recipe import get  # noqa: E402
+from oracle.replay.streaming.materialize import skeleton  # noqa: E402
+
+BUDGET = 16 << 30
+G = 2**30
+
+
+def sample_inputs(cfg: dict, length: int, side: int, seed: int) -> dict[str, torch.Tensor]:
+    """One sample of ``length`` tokens: 100 text tokens, one image, text; loss on the last quarter."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    grid = torch.tensor([[1, side // 16, side // 16]])
+    n_img = int(grid.prod()) // 4
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(1000, 100000, (1, length - n_img - 2), generator=g)
+    ids = torch.cat([text[:, :100], torch.tensor([[cfg["vision_start_token_id"]] + [cfg["image_token_id"]] * n_img
+                                                  + [cfg["vision_end_token_id"]]]), text[:, 100:]], 1)  # fmt: skip
+    labels = torch.full_like(ids, -100)
+    labels[0, -length // 4 :] = ids[0, -length // 4 :]
+    c = Qwen3VLConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        m = Qwen3VLModel(c)
+    pos, _ = m.get_rope_index(ids, mm_token_type_ids=(ids == cfg["image_token_id"]).int(), image_grid_thw=grid)
+    pixels = torch.randn(int(grid.prod()), 3 * 2 * 16 * 16, generator=g)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos.contiguous(), "pixel_values": pixels, "image_grid_thw": grid}
+
+
+def packed_inputs(cfg: dict, tokens: int, side: int) -> dict[str, torch.Tensor]:
+    parts = [sample_inputs(cfg, tokens // 4, side, seed=10 + k) for k in range(4)]
+    return get("qwen3-vl").pack_inputs(parts)
+
+
+def write_sparse_capture(path: Path, cfg: dict, inputs: dict[str, torch.Tensor]) -> Path:
+    """A capture whose weights file is a valid safetensors header over a hole (bf16, never read)."""
+    model = skeleton(get("qwen3-vl"), cfg, torch.float32)
+    header, offset, entries = {}, 0, {}
+    for n, p in model.named_parameters():
+        size = p.numel() * 2
+        header[n] = {"dtype": "BF16", "shape": list(p.shape), "data_offsets": [offset, offset + size]}
+        entries[n] = {"dtype": "bfloat16", "shape": list(p.shape), "sha256": "0" * 64, "value_sha256": "0" * 64}
+        offset += size
+    text = json.dumps(header)
+    text += " " * (-len(text) % 8)
+    with BundleWriter(path, "capture", overwrite=True) as w:
+        w.manifest.update(recipe={"name": "qwen3-vl", "config": cfg}, precision="bf16", device={"type": "cuda"},
+                          versions=versions(), loss={"value": None, "reduction": "mean", "num_tokens": None},
+                          metadata={"model": "Qwen3-VL-8B shapes, sparse weights (benchmark)"})  # fmt: skip
+        w.add("inputs", inputs)
+        f = w._tmp / "weights.safetensors"
+        with open(f, "wb") as out:
+            out.write(struct.pack("<Q", len(text)) + text.encode())
+            out.truncate(8 + len(text) + offset)  # the data: a hole
+        w.adopt("weights", f, entries, move=True)
+    return path
+
+
+DRY = r"""
+import json, sys
+from oracle.bundle.store import Bundle
+from oracle.replay.streaming.plan import plan
+print("@@", json.dumps(plan(Bundle(sys.argv[1]), budget=int(sys.argv[2]))))
+"""
+
+
+def dry_run(cap: Path, budget: int = BUDGET) -> dict:
+    """The dry run in its own process (its resident set is a replay process's, not this script's)."""
+    r = subprocess.run([sys.executable, "-c", DRY, str(cap), str(budget)], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    return json.loads([x for x in r.stdout.splitlines() if x.startswith("@@")][-1][3:])
+
+
+def show(p: dict) -> None:
+    m, d = p["memory"], p["disk"]
+    print(f"   dry run: {p['tokens']} tokens in {len(p['samples'])} samples, {p['patches']} patches, {p['loss_tokens']} loss tokens, "
+          f"{p['parameters'] / 1e9:.2f} B parameters, {p['total_flops']:.2e} FLOPs")  # fmt: skip
+    print(f"   memory: peak estimate {m['peak_estimate'] / G:.2f} GiB ({'fits' if p['fits'] else 'does NOT fit'} 16 GiB): "
+          f"process {m['process'] / G:.2f}, largest need {m['reserve'] / G:.2f} ({m['reserve_by']}), boundary activations "
+          f"{m['activations'] / G:.2f} of which {m['activations_in_memory'] / G:.2f} in memory")  # fmt: skip
+    print(f"   disk while running: spilled {d['spilled_activations'] / G:.1f} GiB + journal {d['resume_journal'] / G:.1f} GiB written "
+          f"+ gradients {d['gradients'] / G:.1f} GiB = {d['written'] / G:.1f} GiB written (target < 200 GiB)")  # fmt: skip
+    if not p["fits"]:
+        print(f"   refusal: {p['refusal']}")
+
+
+def bench_plan(d: Path, cfg_path: Path | None) -> dict:
+    cfg = vl8b_config(36) if cfg_path is None else _config(cfg_path, 36)
+    t = time.perf_counter()
+    cap = write_sparse_capture(d / "plan-cap", cfg, packed_inputs(cfg, 65536, 448))
+    print(f"plan. Qwen3-VL-8B, 36 layers, 27-block ViT, 65536 tokens from 4 packed samples, one 448x448 image each "
+          f"(sparse weights, written in {time.perf_counter() - t:.0f} s)")  # fmt: skip
+    p = dry_run(cap)
+    show(p)
+    return p
+
+
+def _config(path: Path, layers: int) -> dict:
+    cfg = {
+        k: v
+        for k, v in json.loads(path.read_text()).items()
+        if not k.startswith("_") and k not in ("architectures", "torch_dtype")
+    }
+    cfg["text_config"] = {**cfg["text_config"], "num_hidden_layers": layers}
+    return cfg
+
+
+def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None) -> None:
+    from oracle.replay.streaming.plan import gemm_rate
+
+    cfg = vl8b_config(2) if cfg_path is None else _config(cfg_path, 2)
+    inputs = packed_inputs(cfg, tokens, side)
+    t = time.perf_counter()
+    cap = write_capture(d / "cut-cap", "qwen3-vl", cfg, inputs)
+    print(f"cut. Qwen3-VL-8B shapes, 2 decoder layers, 27-block ViT, head; {tokens} tokens from 4 packed samples, one "
+          f"{side}x{side} image each; --max-memory 16G (capture written in {time.perf_counter() - t:.0f} s)")  # fmt: skip
+    p = dry_run(cap)
+    show(p)
+    s = run(["replay", str(cap), "--out", str(d / "cut-oracle"), "--max-memory", "16G", "--overwrite"])
+    st = Bundle(d / "cut-oracle").get("streaming")
+    est, peak = p["memory"]["peak_estimate"], s["peak_rss"]
+    print(f"   streamed: {s['seconds']:.0f} s wall, peak RSS {peak / G:.2f} GiB (budget held: {peak <= BUDGET}); "
+          f"dry-run estimate {est / G:.2f} GiB = {est / peak:.2f}x of measured (target 0.9-1.1x)")  # fmt: skip
+    print(f"   disk: written {st['disk_written'] / G:.2f} GiB, estimated {p['disk']['written'] / G:.2f} GiB = "
+          f"{p['disk']['written'] / st['disk_written']:.2f}x (target 0.9-1.1x)")  # fmt: skip
+    rate = gemm_rate()
+    reached = p["total_flops"] / s["seconds"]
+    full = dry_run(write_sparse_capture(d / "plan-cap", vl8b_config(36) if cfg_path is None else _config(cfg_path, 36),
+                                        packed_inputs(cfg, 65536, 448)))  # fmt: skip
+    here = full["total_flops"] / reached
+    cores = torch.get_num_threads()
+    server = full["total_flops"] / (rate / cores * 64 * reached / rate)
+    print(f"   FLOP rate reached {reached / 1e9:.1f} GFLOP/s = {reached / rate:.2f}x of the float64 GEMM probe "
+          f"({rate / 1e9:.1f} GFLOP/s on {cores} threads)")  # fmt: skip
+    print(f"   extrapolated (FLOPs of the 36-layer, 65536-token step: {full['total_flops']:.2e}): {here / 3600:.1f} h here; "
+          f"{server / 3600:.2f} h on one 64-core server (probe per core x 64, same fraction of it); its memory: "
+          f"{full['memory']['peak_estimate'] / G:.1f} GiB estimated ({'fits' if full['fits'] else 'does not fit'} 16 GiB)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=["plan", "cut"])
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--side", type=int, default=448)
+    ap.add_argument("--config", type=Path, default=None)
+    a = ap.parse_args()
+    ctx = tempfile.TemporaryDirectory() if a.dir is None else None
+    d = Path(ctx.name) if ctx else a.dir
+    d.mkdir(parents=True, exist_ok=True)
+    if a.which == "plan":
+        bench_plan(d, a.config)
+    else:
+        bench_cut(d, a.tokens, a.side, a.config)
+    if ctx:
+        ctx.cleanup()
+
+
+if __name__ == "__main__":
+    main()

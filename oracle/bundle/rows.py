@@ -1,0 +1,62 @@
+"""One tensor written to a safetensors file by consecutive row blocks: never whole in memory.
+
+The streaming replay writes the head's float64 gradient (151936 x 4096 for Qwen3-VL-8B: 4.6 GiB)
+one vocabulary chunk at a time. The file is an ordinary safetensors file holding one tensor: the
+header first (its size is known from shape and dtype), then the rows in order. Its manifest entry
+(dtype, shape, sha256 of the stored bytes, value_sha256 of the values in float64 with the shape
+first, as oracle/bundle/store.py defines them) is hashed on the fly from the blocks as they are
+written. Rows must arrive in order and all of them, else ``close`` refuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class RowWriter:
+    def __init__(self, path: str | os.PathLike, name: str, shape: list[int], dtype: torch.dtype):
+        self.path, self.name, self.shape, self.dtype = Path(path), name, [int(s) for s in shape], dtype
+        self.item = torch.empty((), dtype=dtype).element_size()
+        self.row_elems = 1
+        for s in self.shape[1:]:
+            self.row_elems *= s
+        total = self.shape[0] * self.row_elems * self.item
+        header = json.dumps({name: {"dtype": _ST_DTYPES[dtype], "shape": self.shape, "data_offsets": [0, total]}})
+        header += " " * (-len(header) % 8)  # safetensors pads its header to 8 bytes
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(header)) + header.encode())
+        self._sha = hashlib.sha256()
+        self._value = hashlib.sha256(json.dumps(self.shape).encode())
+        self.rows = 0
+
+    def write(self, block: torch.Tensor) -> None:
+        """The next ``block.shape[0]`` rows."""
+        block = block.detach().contiguous().to(self.dtype)
+        if list(block.shape[1:]) != self.shape[1:] or self.rows + block.shape[0] > self.shape[0]:
+            raise ValueError(f"{self.name}: block {tuple(block.shape)} does not continue rows {self.rows} of {self.shape}")
+        data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
+        self._f.write(data)
+        self._sha.update(data)
+        self._value.update(
+            data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
+        )
+        self.rows += block.shape[0]
+
+    def close(self) -> dict:
+        """Flush and fsync the file; its manifest entry."""
+        if self.rows != self.shape[0]:
+            self._f.close()
+            raise ValueError(f"{self.name}: {self.rows} of {self.shape[0]} rows written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return {"dtype": str(self.dtype).removeprefix("torch."), "shape": self.shape, "sha256": self._sha.hexdigest(),
+                "value_sha256": self._value.hexdigest()}  # fmt: skip
