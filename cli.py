@@ -219,6 +219,7 @@ def replay(
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores). Resume and bitwise repeatability need the same count.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit; exit 2 where --max-memory is below what the run needs.")] = False,
     nproc: Annotated[int, typer.Option(min=1, help="Spread over N local processes (ensemble members, --local modules); many machines: torchrun -m oracle replay.")] = 1,
+    split: Annotated[str, typer.Option(help="How several ranks share the fp64 oracle: tensor (heads, MLP, vocabulary) or tokens (the sequence).")] = "tensor",
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
@@ -273,7 +274,7 @@ def replay(
 
     mode = "auto" if verify is None else ("on" if verify else "off")
     do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
-              overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget)  # fmt: skip
+              overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget, split=split)  # fmt: skip
     if not distributed.is_main():
         return
     b = Bundle(out)
@@ -571,6 +572,9 @@ def explain(
 
 
 def main() -> None:  # console script entry point
+    from oracle.replay.streaming.pages import ensure
+
+    ensure()  # a streamed replay restarts once with malloc on huge pages (oracle/replay/streaming/pages.py)
     app()
 
 

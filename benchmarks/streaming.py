@@ -86,6 +86,7 @@ def run(args: list[str], env_threads: int | None = None) -> dict:
     if env_threads:
         env["OMP_NUM_THREADS"] = str(env_threads)
     code = (
+        "from oracle.replay.streaming.pages import ensure\nensure()\n"  # as the command line does: huge pages when streamed
         "import resource, sys, time, cli\nt = time.perf_counter()\nrc = cli.app(sys.argv[1:], standalone_mode=False)\n"
         "print('@@', time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\nsys.exit(rc or 0)"
     )

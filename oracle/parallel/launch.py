@@ -83,6 +83,7 @@ def _watch(procs: list[subprocess.Popen]) -> int:
     while True:
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        failed.sort(key=lambda rc: rc[1] == RankError.exit_code)  # a rank that lost a peer is not the cause: the peer is
         if failed:
             r, c = failed[0]
             if c in USER_CODES or c == RankError.exit_code:

@@ -74,11 +74,17 @@ def _segments(cu: list[int], causal: bool, T: int, S: int) -> list[tuple[int, in
     return [(0, T, 0, S)]
 
 
-def _blocks(seg, causal: bool, cq: int, ck: int):
-    """Yield (i0, i1, [(j0, j1, needs_mask), ...]) for one sample: the key chunks each query chunk sees."""
+def _blocks(seg, causal: bool, cq: int, ck: int, rows: tuple[int, int] | None = None):
+    """Yield (i0, i1, [(j0, j1, needs_mask), ...]) for one sample: the key chunks each query chunk sees.
+    ``rows`` = (a, b): only queries a <= i < b exist (a token-parallel rank's rows); the query chunk
+    grid stays the whole sample's, clipped to them."""
     q0, q1, k0, k1 = seg
     for i0 in range(q0, q1, cq):
         i1 = min(i0 + cq, q1)
+        if rows is not None:
+            i0, i1 = max(i0, rows[0]), min(i1, rows[1])
+            if i0 >= i1:
+                continue
         kend = i1 if causal else k1  # causal: keys up to the last query of the chunk
         ks = []
         for j0 in range(k0, kend, ck):
@@ -108,16 +114,19 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 1, 3, 2, 4).reshape(B, Hkv * g, T, D)
 
 
-def _forward(q, k, v, cu, causal, scale, cq, ck):
+def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
+    """``q0``: q holds the queries q0 .. q0+T-1 of a sequence of S keys (0 for the whole sequence)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
     qg = _grouped(q, Hkv) * scale  # (B, Hkv, T, g, D), a new tensor (never scale q in place): S = (q * scale) k^T
     out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
-    for seg in _segments(cu, causal, T, S):
-        for i0, i1, ks in _blocks(seg, causal, cq, ck):
-            qi = qg[:, :, i0:i1].reshape(B, Hkv, (i1 - i0) * g, D)  # (B, Hkv, tq*g, D), a view
+    rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    for seg in _segments(cu, causal, S if rows else T, S):
+        for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
+            a, b = i0 - q0, i1 - q0  # the chunk's rows in q
+            qi = qg[:, :, a:b].reshape(B, Hkv, (i1 - i0) * g, D)  # (B, Hkv, tq*g, D), a view
             m = torch.full(qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)  # (B, Hkv, tq*g)
             lsum = torch.zeros_like(m)
             acc = torch.zeros(*qi.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -131,12 +140,13 @@ def _forward(q, k, v, cu, causal, scale, cq, ck):
                 lsum = lsum.mul_(alpha).add_(p.sum(-1))
                 acc = acc.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, v[:, :, j0:j1]))
                 m = m_new
-            out[:, :, i0:i1] = (acc / lsum.unsqueeze(-1)).view(B, Hkv, i1 - i0, g, -1)
-            lse[:, :, i0:i1] = (m + torch.log(lsum)).view(B, Hkv, i1 - i0, g)
+            out[:, :, a:b] = (acc / lsum.unsqueeze(-1)).view(B, Hkv, i1 - i0, g, -1)
+            lse[:, :, a:b] = (m + torch.log(lsum)).view(B, Hkv, i1 - i0, g)
     return _ungrouped(out), lse  # (B, H, T, Dv), (B, Hkv, T, g)
 
 
-def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck):
+def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0):
+    """``q0`` as in _forward: dq for q's rows, dk and dv for all S keys (these rows' share of them)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
@@ -145,12 +155,13 @@ def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck):
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(k)  # dS^T (q * scale): already scaled
     dv = torch.zeros_like(v)
-    for seg in _segments(cu, causal, T, S):
-        for i0, i1, ks in _blocks(seg, causal, cq, ck):
-            n = (i1 - i0) * g
-            qi, doi = qg[:, :, i0:i1].reshape(B, Hkv, n, D), dog[:, :, i0:i1].reshape(B, Hkv, n, -1)  # (B, Hkv, tq*g, D)
-            li, di = lse[:, :, i0:i1].reshape(B, Hkv, n, 1), delta[:, :, i0:i1].reshape(B, Hkv, n, 1)
-            dqi = dq[:, :, i0:i1].view(B, Hkv, n, D)
+    rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    for seg in _segments(cu, causal, S if rows else T, S):
+        for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
+            n, a, b = (i1 - i0) * g, i0 - q0, i1 - q0
+            qi, doi = qg[:, :, a:b].reshape(B, Hkv, n, D), dog[:, :, a:b].reshape(B, Hkv, n, -1)  # (B, Hkv, tq*g, D)
+            li, di = lse[:, :, a:b].reshape(B, Hkv, n, 1), delta[:, :, a:b].reshape(B, Hkv, n, 1)
+            dqi = dq[:, :, a:b].view(B, Hkv, n, D)
             for j0, j1, needs_mask in ks:
                 kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, sk, D)
                 p = torch.matmul(qi, kj.transpose(-1, -2)).sub_(li).exp_()  # (B, Hkv, tq*g, sk)

@@ -71,6 +71,20 @@ def chunked_head(prepare: Callable[[torch.nn.Module], torch.Tensor] = lambda hea
         _CHUNKED.reset(token)
 
 
+# A token-parallel replay (oracle/replay/token_split.py) holds only its rows of hidden: ``token_rows(fn)``
+# hands the loss to ``fn(hidden, weight, labels, reduction, loss_mask)`` (labels and mask whole).
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("oracle_token_rows", default=None)
+
+
+@contextlib.contextmanager
+def token_rows(fn: Callable):
+    token = _ROWS.set(fn)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
 def lm_head_loss(
     head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, reduction: str, loss_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -87,6 +101,8 @@ def lm_head_loss(
     if getattr(head, "bias", None) is not None:
         raise ValueError("the chunked head takes a bias-free linear head")  # every recipe's head is bias-free
     weight = prepare(head)
+    if (rows := _ROWS.get()) is not None:
+        return rows(hidden, weight, labels, reduction, loss_mask)
     if loss_mask is not None:
         return masked_token_head_loss(hidden, weight, labels, loss_mask, reduction)
     return causal_lm_head_loss(hidden, weight, labels, reduction)

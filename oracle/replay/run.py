@@ -42,10 +42,11 @@ VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards
 
 
 def run_step(
-    cap: Bundle, dtype: str, jitter_seed: int | None = None, instrument=None
+    cap: Bundle, dtype: str, jitter_seed: int | None = None, instrument=None, split=None
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], float, PrecisionMode]:
     """Forward + backward of the captured step under ``dtype``; returns model (grads set), inputs, loss.
-    ``instrument(model)`` runs before the forward (hooks for rank views and boundary records)."""
+    ``instrument(model)`` runs before the forward (hooks for rank views and boundary records);
+    ``split(model, inputs) -> (inputs, context)``: a token-parallel rank's rows (oracle/replay/token_split.py)."""
     recipe = recipe_of(cap)
     compute, round_to, ops = precisions.emulation(dtype)
     config = cap.manifest["recipe"]["config"]
@@ -57,11 +58,14 @@ def run_step(
     use_replay_attention(model, round_to)
     if instrument is not None:
         instrument(model)
+    within = recorded_boundaries(inputs)  # the recorded sample boundaries (a token split takes them itself)
+    if split is not None:
+        inputs, within = split(model, inputs)
     torch.manual_seed(0)
     order: list[str] = []  # the order gradients are completed in: the true backward order
     hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in model.named_parameters()]
     try:
-        with mode, chunked_head(), recorded_boundaries(inputs):
+        with mode, chunked_head(), within:
             loss, _ = recipe.forward_loss(model, inputs, reduction)
             if round_to is None:
                 assert loss.dtype == torch.float64, f"oracle loss is {loss.dtype}, expected float64"
@@ -87,9 +91,16 @@ def replay(
     max_memory: int | None = None,
     activation_budget: int | None = None,
     token_chunk: int | None = None,
+    split: str = "tensor",
 ) -> Path:
-    """Replay ``capture`` into ``out``; with ``max_memory`` (bytes) through the streaming engine."""
+    """Replay ``capture`` into ``out``; with ``max_memory`` (bytes) through the streaming engine.
+    ``split``: how several ranks share the float64 oracle, ``tensor`` (heads, MLP columns, vocabulary:
+    oracle/parallel/tensor_parallel.py) or ``tokens`` (the sequence: oracle/parallel/token_parallel.py)."""
     precisions.get(dtype)
+    if split not in ("tensor", "tokens"):
+        raise UsageError(f"--split is 'tensor' or 'tokens', got {split!r}")
+    if split == "tokens" and dtype != "fp64":
+        raise UsageError("--split tokens splits the float64 oracle; emulated members spread over the ranks whole: drop --split")
     if ensemble < 1:
         raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
@@ -116,8 +127,8 @@ def replay(
     ranks = distributed.world()
     if ranks > 1 and dtype == "fp64" and (max_memory is not None or verify == "on"):
         raise UsageError(
-            f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory and has no certificate: "
-            "drop --max-memory and --verify, or replay with one process"
+            f"the {'token' if split == 'tokens' else 'tensor'}-parallel float64 replay ({ranks} ranks) runs in memory and has "
+            "no certificate: drop --max-memory and --verify, or replay with one process"
         )
     distributed.init()
     if max_memory is not None:
@@ -131,13 +142,20 @@ def replay(
     if dtype == "fp64":
         summed: list[str] = []  # tensor parallel (oracle/parallel/tensor_parallel.py): gradients summed over ranks
 
-        def split(model):
+        def tp_split(model):
             summed.extend(tensor_parallel.parallelize(model, ranks, recipe_of(cap).tp_plan))
 
-        with distributed.collectives("the tensor-parallel step"):
-            model, inputs, loss, mode = run_step(cap, dtype, instrument=split if ranks > 1 else None)
-            if ranks > 1:
-                grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
+        by_tokens = ranks > 1 and split == "tokens"
+        if by_tokens:  # oracle/replay/token_split.py: each rank its rows, gradients summed on rank 0 in rank order
+            from . import token_split
+
+            with distributed.collectives("the token-parallel step"):
+                model, grads, loss, mode, split_record = token_split.run(cap, run_step)
+        else:
+            with distributed.collectives("the tensor-parallel step"):
+                model, inputs, loss, mode = run_step(cap, dtype, instrument=tp_split if ranks > 1 else None)
+                if ranks > 1:
+                    grads = tensor_parallel.full_grads(model, summed)  # every rank takes part in the gathers
         if ranks > 1:
             if not distributed.is_main():
                 distributed.finish()
@@ -166,7 +184,9 @@ def replay(
                 certificate=cert,
                 seconds=round(time.perf_counter() - t0, 3),
             )
-            if ranks > 1:
+            if by_tokens:
+                w.manifest["token_parallel"] = split_record
+            elif ranks > 1:
                 w.manifest["tensor_parallel"] = {"ranks": ranks, "bound_rel": tensor_parallel.BOUND_REL,
                                                  "split": sorted({n.split(".")[-1] for n in tensor_parallel.plan_of(model, recipe_of(cap).tp_plan)}
                                                                 | ({"lm_head"} if tensor_parallel.vocabulary_split(model, ranks) else set()))}  # fmt: skip

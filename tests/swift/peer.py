@@ -189,12 +189,11 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
     from megatron.core import mpu
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    from megatron.core.enums import ModelType
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.utils import get_model_config
-    from megatron.core.utils import StragglerDetector
+    from megatron.core.utils import StragglerDetector, get_model_config
     from swift.megatron.model.model_provider import model_provider
     from swift.megatron.trainers.trainer import MegatronTrainer
 

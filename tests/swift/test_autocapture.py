@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402
 import tiny  # noqa: E402
 import truth  # noqa: E402
+
 from oracle.bundle.store import Bundle  # noqa: E402
 from oracle.integrations.megatron.autocapture import PTH_LINE, PTH_NAME  # noqa: E402
 

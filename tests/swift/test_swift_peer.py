@@ -167,7 +167,7 @@ def test_pp2_stages_put_together_by_layer_offset_match_tp1(step, tmp_path_factor
     for r in stages:
         offset = r["meta"]["pp_rank"] * 2
         for n, g in r["grads_post"].items():
-            glob = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", n)
+            glob = re.sub(r"decoder\.layers\.(\d+)\.", lambda m, offset=offset: f"decoder.layers.{int(m.group(1)) + offset}.", n)
             assert truth.rel_l2(g, one[0]["grads_post"][glob]) < 1e-5, (n, glob)
             seen.add(glob)
     assert seen == set(per_stage)

@@ -98,7 +98,7 @@ def _target_step() -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"ORACLE_CAPTURE_STEP must be an integer (the training call to capture, 0 = first), got {raw!r}")
+        raise ValueError(f"ORACLE_CAPTURE_STEP must be an integer (the training call to capture, 0 = first), got {raw!r}") from None
 
 
 def _wrap(fbf):

@@ -54,7 +54,7 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, torch.dtype):
         return str(v).removeprefix("torch.")
     if hasattr(v, "name") and type(v).__module__ != "builtins":  # an enum (AttnBackend.local)
-        return str(getattr(v, "name"))
+        return str(v.name)
     return None
 
 

@@ -1,0 +1,207 @@
+"""The token-parallel float64 replay (--split tokens, 2-3 ranks over 127.0.0.1, gloo): every gradient
+and the loss within 1e-12 of the single process, bitwise repeatable, a killed rank named."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from oracle import recipe as recipes
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
+from oracle.errors import RankError
+from oracle.parallel import token_parallel
+from oracle.replay import attention
+from oracle.replay.run import replay
+
+ROOT = Path(__file__).parent.parent
+CLI = [sys.executable, "-m", "oracle"]
+BOUND = token_parallel.BOUND_REL
+
+
+def _run(args, **kw):
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+def _split(cap, out, nproc=2):
+    r = _run(["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", str(nproc), "--threads", "1"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
+    return Bundle(out)
+
+
+def _assert_within(split: Bundle, one: Bundle, ranks: int):
+    rec = split.get("token_parallel")
+    assert split.kind == "oracle" and rec["ranks"] == ranks and rec["bound_rel"] == BOUND
+    covered = sorted(i for spans in rec["rows"] for a, b in spans for i in range(a, b))
+    assert covered == list(range(rec["tokens"]))  # every token on exactly one rank
+    assert split.get("numerics") == one.get("numerics")  # the same casts promoted: float64 throughout
+    assert split.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=BOUND, abs=0)
+    gs, go = split.load_group("grads"), one.load_group("grads")
+    assert set(gs) == set(go)
+    assert all(gs[n].dtype == torch.float64 for n in gs)
+    worst = {n: float((gs[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
+    assert max(worst.values()) <= BOUND, max(worst.items(), key=lambda kv: kv[1])
+    assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
+    assert split.get("backward_order") == one.get("backward_order")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The tiny Qwen3 (text) step in fp32 and its single-process float64 oracle."""
+    r = recipes.get("qwen3")
+    root = tmp_path_factory.mktemp("tokens")
+    cap = capture_recipe_step(r.load("tiny-qwen3"), r.default_sample(), str(root / "cap"), precision="fp32")
+    return cap, replay(cap, root / "one", verify="off")
+
+
+@pytest.fixture(scope="module")
+def packed_vl(tmp_path_factory):
+    """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, and its oracle."""
+    r = recipes.get("qwen3-vl")
+    s = r.default_sample()
+    s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
+    s2["messages"][1]["content"], s2["messages"][2]["content"] = "Describe <image> briefly.", "Squares."
+    s3["messages"][2]["content"] = "A gradient from red to green with a checkerboard on top of it."
+    root = tmp_path_factory.mktemp("tokens-vl")
+    cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
+    assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
+    return cap, replay(cap, root / "one", verify="off")
+
+
+def test_the_rows_cover_the_sequence_once_and_balance_causal_work():
+    """Rank r owns blocks r and 2N-1-r: a partition of 0..T-1, and causal attention work within 10 % across ranks."""
+    for T, n in ((37, 2), (1000, 2), (1001, 3), (16384, 4)):
+        rows = [token_parallel.rows_of(T, n, r) for r in range(n)]
+        assert sorted(torch.cat(rows).tolist()) == list(range(T))
+        work = [float((x + 1).sum()) for x in rows]  # query i sees i+1 keys
+        assert max(work) / min(work) < 1.1, (T, n, work)
+
+
+def test_the_kernel_on_a_ranks_rows_equals_the_whole_sequence_kernel():
+    """attention._forward/_backward with q0 (queries a..b-1 against all keys, packed and causal):
+    outputs equal the whole kernel's rows, and the rows' dk/dv add up to the whole dk/dv (<= 1e-13)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D = 1, 4, 2, 45, 8
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv, H))
+    for cu in ([0, T], [0, 11, 30, T]):
+        out, lse = attention._forward(q, k, v, cu, True, D**-0.5, 8, 8)
+        dq, dk, dv = attention._backward(do, q, k, v, out, lse, cu, True, D**-0.5, 8, 8)
+        dk_sum, dv_sum = torch.zeros_like(dk), torch.zeros_like(dv)
+        for a, b in ((0, 7), (7, 26), (26, 45)):
+            o, lse_r = attention._forward(q[:, :, a:b].contiguous(), k, v, cu, True, D**-0.5, 8, 8, q0=a)
+            assert float((o - out[:, :, a:b]).abs().max()) <= 1e-13
+            dqr, dkr, dvr = attention._backward(do[:, :, a:b].contiguous(), q[:, :, a:b].contiguous(), k, v, o, lse_r,
+                                                cu, True, D**-0.5, 8, 8, q0=a)  # fmt: skip
+            assert float((dqr - dq[:, :, a:b]).abs().max()) <= 1e-13
+            dk_sum += dkr
+            dv_sum += dvr
+        assert float((dk_sum - dk).abs().max()) <= 1e-13 and float((dv_sum - dv).abs().max()) <= 1e-13
+
+
+def test_two_ranks_split_tiny_qwen3_within_the_bound_and_repeat_bitwise(qwen3, tmp_path):
+    """--split tokens --nproc 2 on the tiny Qwen3: every gradient and the loss within 1e-12 of the
+    single process; a second run is bitwise the first (fixed reduction order)."""
+    cap, one = qwen3
+    a, b = _split(cap, tmp_path / "a"), _split(cap, tmp_path / "b")
+    _assert_within(a, Bundle(one), 2)
+    ga, gb = a.load_group("grads"), b.load_group("grads")
+    assert [n for n in ga if not torch.equal(ga[n], gb[n])] == []
+    assert a.get("loss")["value"] == b.get("loss")["value"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_three_ranks_split_tiny_qwen3_within_the_bound(qwen3, tmp_path):
+    """--nproc 3: six blocks, the same bound."""
+    cap, one = qwen3
+    _assert_within(_split(cap, tmp_path / "c", nproc=3), Bundle(one), 3)
+
+
+def test_two_ranks_split_tiny_qwen3_vl_within_the_bound(fp32_capture, oracle_bundle, tmp_path):
+    """The tiny Qwen3-VL (image tokens, deepstack, mRoPE): the ViT replicated, its features handed to
+    the rank that owns each image token; every gradient within 1e-12 of the single process."""
+    s = _split(fp32_capture, tmp_path / "vl")
+    _assert_within(s, Bundle(oracle_bundle), 2)
+    assert s.get("token_parallel")["replicated"] == ["model.visual"]
+
+
+def test_two_ranks_split_a_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_path):
+    """Three packed samples with an image each: per-sample causal attention across the ranks' rows
+    (boundaries from the whole sequence's positions); every gradient within 1e-12 of the single process."""
+    cap, one = packed_vl
+    _assert_within(_split(cap, tmp_path / "p"), Bundle(one), 2)
+
+
+def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
+    """Emulated replays spread members, not tokens; the split runs in memory; an unknown split is
+    named (UsageError, exit 2, before any rendezvous)."""
+    from oracle.errors import UsageError
+
+    cap, _ = qwen3
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match="--split tokens splits the float64 oracle"):
+        replay(cap, tmp_path / "x", dtype="amp-bf16", split="tokens")
+    with pytest.raises(UsageError, match=r"token-parallel float64 replay \(2 ranks\) runs in memory"):
+        replay(cap, tmp_path / "y", split="tokens", max_memory=2 << 30)
+    with pytest.raises(UsageError, match="--split is 'tensor' or 'tokens', got 'rows'"):
+        replay(cap, tmp_path / "z", split="rows")
+    assert UsageError.exit_code == 2
+
+
+def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
+    """SIGKILL rank 1 once every rank has built its model (inside the step's exchanges): the launcher
+    stops rank 0 and exits 11 naming rank 1; no bundle is written."""
+    cap, _ = qwen3
+    out = tmp_path / "o"
+    p = subprocess.Popen([*CLI, "replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    killed, store, deadline = None, None, time.time() + 90
+    while time.time() < deadline and p.poll() is None and killed is None:
+        pid = _rank_pid(p.pid, 1)
+        if pid and store is None:
+            port = _env_of(pid).get("MASTER_PORT")
+            try:
+                raw = torch.distributed.TCPStore("127.0.0.1", int(port), is_master=False, timeout=timedelta(seconds=5))
+                # the default group's keys, as init_process_group prefixes them (torch 2.13: "default_pg", then "0/")
+                store = torch.distributed.PrefixStore("0/", torch.distributed.PrefixStore("default_pg", raw))
+            except (RuntimeError, ValueError):
+                store = None  # rank 0 has not opened it yet
+        if store is not None and store.check(["oracle/barrier/tokens-built/1"]):
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.005)
+    _, err = p.communicate(timeout=90)
+    assert killed, "rank 1 finished before it could be killed"
+    assert p.returncode == RankError.exit_code, err
+    assert "rank 1 of 2 was killed by SIGKILL" in err
+    assert not out.exists()
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in env if b"=" in x)
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child with RANK=rank (Linux /proc)."""
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for c in children:
+        try:
+            if _env_of(int(c)).get("RANK") == str(rank):
+                return int(c)
+        except OSError:
+            continue
+    return None
