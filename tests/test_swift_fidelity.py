@@ -154,3 +154,35 @@ def test_fused_norm_names_merge_like_the_unfused_ones(runs, tmp_path):
     plain = Bundle(cap)
     assert sorted(fused.names("grads")) == sorted(plain.names("grads"))
     assert all(torch.equal(fused.load("grads", n), plain.load("grads", n)) for n in plain.names("grads"))
+
+
+@pytest.fixture(scope="module")
+def env_runs(tmp_path_factory):
+    """dtype -> (merged capture, its fp64 oracle): TP 1 steps captured through ORACLE_CAPTURE alone."""
+    root = tmp_path_factory.mktemp("swift-env")
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        cap_dir = rank_capture.env_capture(str(root / dtype), tp=1, dtype=dtype)
+        cap = merge_ranks([Path(cap_dir) / "pre"], root / f"{dtype}.cap", recipe="qwen3-vl")
+        out[dtype] = (str(cap), str(replay(cap, root / f"{dtype}.oracle")))
+    return out
+
+
+def test_env_captured_fp32_step_is_within_1e5_of_the_oracle(env_runs):
+    """The user's path end to end: ORACLE_CAPTURE (no file edited) -> merge (no --hf-config) -> fp64
+    replay -> score: every gradient within 1e-5 relative, the loss within 1e-6, within noise."""
+    cap, oracle = env_runs["fp32"]
+    c = score(oracle, [cap])["captures"][0]
+    worst = max(c["params"], key=lambda p: p["rel_l2"])
+    assert len(c["params"]) == 104 and worst["rel_l2"] <= 1e-5, worst
+    assert c["loss_check"]["rel"] <= 1e-6 and c["verdict"]["class"] == "within_noise"
+
+
+def test_env_captured_bf16_step_is_within_its_emulated_band(env_runs, tmp_path):
+    """A bf16 step (Float16Module, fp32 main_grad) captured through ORACLE_CAPTURE scores within the
+    noise band of four emulated bf16 runs of the same step, on every one of its 104 gradients."""
+    cap, oracle = env_runs["bf16"]
+    band = replay(cap, tmp_path / "band", dtype="bf16", ensemble=4)
+    c = score(oracle, [cap], band_paths=[band])["captures"][0]
+    assert len(c["params"]) == 104 and c["verdict"]["class"] == "within_noise", c["verdict"]
+    assert max(p["excess"] for p in c["params"]) < 1.0

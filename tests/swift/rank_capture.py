@@ -38,6 +38,18 @@ def run(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: f
     return out
 
 
+def env_capture(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: float = 600.0) -> str:
+    """The same step captured as the user would: peer.py unchanged, only ``ORACLE_CAPTURE=OUT/capture``
+    in its environment (the start-up hook, oracle/integrations/megatron/autocapture.py). -> OUT/capture."""
+    cap = os.path.join(out, "capture")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_CAPTURE=cap)
+    cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", str(tp), *(["--sp"] if sp else []), "--dtype", dtype]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"ms-swift peer under ORACLE_CAPTURE failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
+    return cap
+
+
 def _patch_peer() -> None:
     """Inside a rank: record ms-swift's batch and loss, and capture before and after finalize."""
     import peer
