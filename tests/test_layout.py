@@ -135,6 +135,10 @@ def test_readme_map_matches_the_tree():
     named = {w.strip("`") for w in section.split() if w.startswith("`oracle/") and w.rstrip("`,.:;").endswith("/")}
     stale = [p for p in named if not (ROOT / p.strip("`,.:;")).is_dir()]
     assert not stale, f"README's Layout names folders that do not exist: {stale}"
+    rows = {line.split("|")[1].strip().split()[0].strip("`"): line for line in section.splitlines() if line.startswith("| `oracle/")}
+    unlisted = [str(f.relative_to(ROOT)) for f in ENGINE.rglob("*.py")
+                if f.name != "__init__.py" and f"`{f.name}`" not in rows.get(str(f.parent.relative_to(ROOT)) + "/", "")]  # fmt: skip
+    assert not unlisted, f"README's Layout does not list {unlisted} in its package's row"
 
 
 def test_the_checker_sees_a_planted_cycle_and_an_upward_import():

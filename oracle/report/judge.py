@@ -34,8 +34,8 @@ def _per_run_lines(key: str, a: dict[str, Any]) -> list[str]:
         if key == "noise":
             out.append(f"   {r['text']}")
         elif key == "born":
-            where = f"{r['module']} ({r['direction'] or 'direction unknown'})" if r["module"] else "-"
-            out.append(f"   {r['run']}: {where}: {r['evidence']}")
+            where = f"{r['module']} ({r['direction'] or 'direction unknown'}): " if r["module"] else ""
+            out.append(f"   {r['run']}: {where}{r['evidence']}")
             out += [f"   {r['run']} framework: {f}" for f in r["framework"]]
         elif key == "op_class":
             out.append(f"   {r['run']}: {r['class'] or 'undetermined'} ({r['source'] or 'no evidence'}): {r['text']}")
