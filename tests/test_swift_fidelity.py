@@ -101,6 +101,9 @@ def test_tp2_sp_unreduced_vision_gradients_are_a_framework_finding_naming_them(r
     assert all(r["sum_rel_l2"] <= 1e-5 for r in f["params"] if r["adds_up"])
     assert c["verdict"]["class"] == "within_noise" and "framework finding" in c["verdict"]["text"]
     assert not set(f["excluded"]) & {p["name"] for p in c["params"]}
+    # held, judged per rank: named apart in the coverage, neither missing nor silently passed
+    assert set(c["coverage"]["framework_apart"]) == set(f["excluded"]) and c["coverage"]["missing"] == []
+    assert "judged per rank (rank-view)" in c["verdict"]["text"]
     worst = max(c["params"], key=lambda p: p["rel_l2"])
     assert worst["rel_l2"] <= 1e-5 and c["loss_check"]["rel"] <= 1e-6, worst
     r = CliRunner().invoke(app, ["score", oracle, cap])

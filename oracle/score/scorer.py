@@ -230,10 +230,13 @@ def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
     c: Bundle = plan["bundle"]
     held = list(plan["norms"]) if plan["norms"] is not None else c.names("grads")
     known = set(pnames)
-    missing = [p for p in pnames if p not in plan["rows"]]
+    # held but left out of the end-to-end verdict as a framework finding (framework.py): the capture
+    # has them, they are judged per rank (rank-view), so they are named apart, not counted missing
+    apart = set((plan.get("framework") or {}).get("excluded", []))
+    missing = [p for p in pnames if p not in plan["rows"] and p not in apart]
     extra = sorted(n for n in held if n not in known)
     return {"oracle": len(pnames), "covered": len(pnames) - len(missing), "missing": missing, "extra": extra,
-            "norms_only": plan["norms"] is not None}  # fmt: skip
+            "framework_apart": [p for p in pnames if p in apart], "norms_only": plan["norms"] is not None}  # fmt: skip
 
 
 def _names(names: list[str]) -> str:
@@ -253,6 +256,9 @@ def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
         line += f"; missing {len(cov['missing'])}: {_names(cov['missing'])}"
     if cov["extra"]:
         line += f"; {len(cov['extra'])} not in the oracle (not scored): {_names(cov['extra'])}"
+    if cov["framework_apart"]:
+        line += (f"; {len(cov['framework_apart'])} held but judged per rank (rank-view), not end to end: the "
+                 f"framework left them unreduced ({_names(cov['framework_apart'])})")  # fmt: skip
     cov["text"] = line
     head = f"{c['name']} ({c['precision']}): "
     checked = v["text"].removeprefix(head) if cov["covered"] else "nothing was checked"
@@ -265,7 +271,7 @@ def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
     elif cov["covered"] == 0 or (cov["missing"] and not cov["norms_only"]):
         v["class"] = INCOMPLETE
         v["text"] = f"{head}INCOMPLETE: {line}; of what it covers: {checked}"
-    elif cov["missing"] or cov["extra"] or cov["norms_only"]:
+    elif cov["missing"] or cov["extra"] or cov["norms_only"] or cov["framework_apart"]:
         v["text"] += f" [{line}]"
 
 
