@@ -68,6 +68,17 @@ def _json_and_csv(result: dict[str, Any], out_dir: str | Path, csv_name: str, fi
     return out
 
 
+def layer_table(c: dict[str, Any]) -> str:
+    """One capture's per-layer table (loss end first) as HTML: the metric, band, excess, class, worst parameter."""
+    e = html.escape
+    metric = "norm_dev" if c["norms_only"] else "rel_l2"
+    rows = [f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"]
+    for r in c["layers"]:
+        rows.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
+                    f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
+    return "\n".join([*rows, "</table>"])
+
+
 def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     rows = ({"capture": c["name"], "precision": c["precision"], **r} for c in result["captures"] for r in c["params"])
     out = _json_and_csv(result, out_dir, "params.csv", CSV_FIELDS, rows)
@@ -86,15 +97,8 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
         "<p>Files: <a href='score.json'>score.json</a>, <a href='params.csv'>params.csv</a>, <a href='errors.png'>errors.png</a></p>",
     ]
     for c in result["captures"]:
-        metric = "norm_dev" if c["norms_only"] else "rel_l2"
         parts.append(f"<h2>{e(c['name'])} ({e(c['precision'])})</h2><p>{e(c['verdict']['text'])}</p>")
-        parts.append(
-            f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"
-        )
-        for r in c["layers"]:
-            parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
-                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
-        parts.append("</table>")
+        parts.append(layer_table(c))
     parts.append("</body></html>")
     (out / "index.html").write_text("\n".join(parts))
     return out / "index.html"

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..bundle.jsonio import dumps
 from ..errors import OutputError
-from .files import plot
+from .files import layer_table, plot
 from .text import render, render_explain, render_local
 
 QUESTIONS = [
@@ -105,15 +105,8 @@ def _html(doc: dict[str, Any], png: str) -> str:
     parts.append(f"<h2>Error per layer</h2><img id='plot' alt='relative error per layer' src='data:image/png;base64,{png}' "
                  "style='max-width:100%'>")  # fmt: skip
     for c in doc["score"]["captures"]:
-        metric = "norm_dev" if c["norms_only"] else "rel_l2"
         parts.append(f"<h3>{e(c['name'])} ({e(c['precision'])}), per layer, loss end first</h3>")
-        parts.append(
-            f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"
-        )
-        for r in c["layers"]:
-            parts.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
-                         f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
-        parts.append("</table>")
+        parts.append(layer_table(c))
     parts.append(f"<h2>Full text</h2><pre>{e(render_judge(doc))}</pre>")
     parts.append("<p>Files: <a href='judge.json'>judge.json</a>, <a href='judge.txt'>judge.txt</a>, "
                  "<a href='errors.png'>errors.png</a></p><pre id='js-errors'></pre></body></html>")  # fmt: skip
