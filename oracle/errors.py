@@ -93,6 +93,12 @@ EXIT_CODES = {
 }
 
 
+def problem_lines(problems: list[str], limit: int) -> str:
+    """The offenders of one error message, one per indented line: the first ``limit``, then how many more."""
+    more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return "\n  " + "\n  ".join(problems[:limit]) + more
+
+
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG}
 
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..errors import BundleError
+from ..errors import BundleError, problem_lines
 from .jsonio import no_duplicate_keys
 
 SCHEMA_VERSION = 1
@@ -210,11 +210,9 @@ def validate(manifest: Any, where: str) -> dict[str, Any]:
         Manifest.model_validate(manifest)
     except ValidationError as e:
         errs = e.errors(include_url=False)
-        lines = [_describe(x) for x in errs[:40]]
-        more = f"\n  ... and {len(errs) - 40} more" if len(errs) > 40 else ""
         raise BundleError(
             f"{where} does not follow the bundle schema ({len(errs)} problem(s)); the bundle is damaged or "
-            "was edited, write it again:\n  " + "\n  ".join(lines) + more
+            "was edited, write it again:" + problem_lines([_describe(x) for x in errs], 40)
         ) from None
     return manifest
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BundleError, OracleError, RecipeError
+from ..errors import BundleError, OracleError, RecipeError, problem_lines
 from ..recipe import Recipe
 
 
@@ -40,8 +40,7 @@ def check_shapes(recipe: Recipe, config: Mapping[str, Any], stored: Mapping[str,
     problems += [f"{n}: missing (the recipe's model has it, shape {s})" for n, s in expect.items() if n not in stored]
     problems += [f"{n}: stored, but the recipe's model has no such parameter" for n in stored if n not in expect]
     if problems:
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise error(
             f"{where}: the weights do not fit the model its config describes ({len(problems)} problem(s)); "
-            f"{fix}:\n  " + "\n  ".join(problems[:20]) + more
+            f"{fix}:" + problem_lines(problems, 20)
         )

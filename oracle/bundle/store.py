@@ -44,7 +44,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ..errors import BundleError, InputNotFound, OutputError, OutputExists
+from ..errors import BundleError, InputNotFound, OutputError, OutputExists, problem_lines
 from . import atomic
 from .manifest import DTYPES, KINDS, SCHEMA_VERSION, looks_like_bundle, parse_json, read_manifest
 
@@ -323,11 +323,8 @@ class Bundle:
             else:
                 problems += self._check_header(p, listed)
         if problems:
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise BundleError(
-                f"{self.path} is damaged ({len(problems)} problem(s)); capture or replay it again:\n  "
-                + "\n  ".join(problems[:20])
-                + more
+                f"{self.path} is damaged ({len(problems)} problem(s)); capture or replay it again:" + problem_lines(problems, 20)
             )
 
     def _check_header(self, p: Path, listed: list[tuple[str, str, dict]]) -> list[str]:

@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import recipe as recipes
 from ..bundle.store import Bundle
-from ..errors import BundleError, MismatchError, UsageError
+from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .framework import finding as framework_finding
@@ -83,11 +83,9 @@ def check_same_step(oracle: Bundle, other: Bundle, label: str) -> list[str]:
             elif ga[n] != gb[n]:
                 problems.append(f"{group}/{n}: values differ")
     if problems:
-        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise MismatchError(
-            f"{label} ({other.path}) is not the step the oracle replays; {len(problems)} tensor(s) differ:\n  "
-            + "\n  ".join(problems[:12])
-            + more
+            f"{label} ({other.path}) is not the step the oracle replays; {len(problems)} tensor(s) differ:"
+            + problem_lines(problems, 12)
             + "\nCapture both from the same weights and inputs, or replay this capture to get its own oracle."
         )
     return unverified

@@ -6,25 +6,16 @@ Runs in the pinned environment only (``bash .ci/swift-env``, then
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 
 import pytest
 
-try:
-    SWIFT = importlib.metadata.version("ms-swift")
-except importlib.metadata.PackageNotFoundError:
-    SWIFT = None
-if SWIFT is None or not SWIFT.startswith("3.12"):
-    pytest.skip(f"ms-swift 3.12 is not installed here ({SWIFT}): the swift peer runs in .venv-swift "
-                "(bash .ci/swift-env)", allow_module_level=True)  # fmt: skip
-
-import torch  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import needs_swift  # noqa: E402, F401  (skips this module outside .venv-swift)
 import peer  # noqa: E402
 import tiny  # noqa: E402
+import torch  # noqa: E402
 import truth  # noqa: E402
 
 CONFIGS = {"tp1-fp32": (1, False, "fp32"), "tp2sp-fp32": (2, True, "fp32"),
