@@ -55,9 +55,18 @@ Out = Annotated[Path, typer.Option("--out", help="Bundle directory to write.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace an existing bundle at --out (only a bundle is ever replaced).")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="Write the full result as JSON (non-finite numbers as null).")]
 Report = Annotated[Path | None, typer.Option(help="Write PNG, CSV, JSON and an HTML page here.")]
+def _finite_margin(value: float) -> float:
+    """An infinite (or NaN) margin would pass every parameter unchecked: refused as a usage error."""
+    if value != value or value in (float("inf"), float("-inf")):
+        raise typer.BadParameter(f"{value} is not a finite number (a margin of inf would pass everything)")
+    return value
+
+
 Margin = Annotated[
-    float, typer.Option(min=1.0, help="Excess over the band above which a parameter, layer or module is beyond noise (>= 1).")
-]
+    float,
+    typer.Option(min=1.0, callback=_finite_margin,
+                 help="Excess over the band above which a parameter, layer or module is beyond noise (finite, >= 1)."),
+]  # fmt: skip
 Tol = Annotated[list[str] | None, typer.Option("--tol", help="Override the tolerance table: PRECISION:expected=VALUE or PRECISION:floor=VALUE.")]  # fmt: skip
 Names = Annotated[list[str] | None, typer.Option("--name", help="Display names, in order.")]
 Pattern = Annotated[str | None, typer.Option(help="Logs: regex with (?P<name>..) and (?P<value>..) groups.")]

@@ -53,6 +53,8 @@ def test_capture_replay_score_through_the_cli(tmp_path, band):
         (["score", "{tmp}/missing", "--tol", "fp9:floor=1e-3"], 2, "unknown precision 'fp9'"),
         (["score", "{tmp}/missing", "--tol", "fp32:floor=-1"], 2, "positive"),
         (["score", "{tmp}/missing", "--margin", "-3"], 2, "--margin"),
+        (["score", "{tmp}/missing", "--margin", "1e400"], 2, "not a finite number"),
+        (["score", "{tmp}/missing", "--margin", "nan"], 2, "--margin"),
     ],
 )
 def test_user_mistakes_get_a_message_and_an_exit_code_not_a_traceback(tmp_path, args, code, message, monkeypatch):

@@ -140,6 +140,17 @@ def test_another_step_is_refused_before_any_replay(runs, tmp_path):
     assert res.exit_code == 5, res.output
     assert "not the step the oracle replays" in res.stderr and "inputs/tokens: values differ" in res.stderr
     assert not (work / "truth").exists()
+    # two capture bundles (nothing to merge): the refusal leaves no empty --out folder behind
+    fresh = tmp_path / "fresh"
+    res = CliRunner().invoke(app, ["judge", str(merged), str(other), "--out", str(fresh), *ARGS])
+    assert res.exit_code == 5, res.output
+    assert not fresh.exists()
+
+
+def test_stage_times_read_as_words_from_under_a_second_to_hours():
+    from oracle.pipeline.stages import duration
+
+    assert [duration(s) for s in (0.2, 2.4, 90, 7200)] == ["< 1 s", "2 s", "1.5 min", "2.0 h"]
 
 
 def test_the_logs_alone_say_what_they_show_what_they_cannot_and_how_to_capture(tmp_path):

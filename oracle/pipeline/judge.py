@@ -30,7 +30,7 @@ from ..precision import CAPTURE_NAMES
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
 from . import answers as answers_mod
-from .stages import Progress, Stages, fingerprint
+from .stages import Progress, Stages, duration, fingerprint
 
 ENSEMBLE = 4
 
@@ -240,15 +240,25 @@ class Judge:
                  f"  {'stage':<24} {'time':>10} {'GFLOP':>10} {'peak memory':>12} {'disk':>10}"]  # fmt: skip
         for s in order:
             e = est.get(s, {"seconds": 0, "flops": 0, "memory": 0, "disk": 0})
-            t = f"{e['seconds'] / 60:.1f} min" if e["seconds"] >= 60 else f"{e['seconds']:.0f} s"
-            lines.append(f"  {s:<24} {t:>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
+            lines.append(f"  {s:<24} {duration(e['seconds']):>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
         tot = sum(e["seconds"] for e in est.values())
-        lines.append(f"  total about {tot / 60:.1f} min here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
+        lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
                      f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe of this machine)")  # fmt: skip
         return "\n".join(lines)
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """The stages; a judge stopped before any stage wrote anything (a refusal: another step,
+        exit 5) leaves no empty ``--out`` folder behind that it created."""
+        created = not self.out.exists()
+        try:
+            return self._run()
+        except BaseException:
+            if created and self.out.is_dir() and not any(self.out.iterdir()):
+                self.out.rmdir()
+            raise
+
+    def _run(self) -> dict[str, Any]:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:

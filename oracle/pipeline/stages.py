@@ -65,6 +65,15 @@ def _write_atomic(path: Path, text: str) -> None:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+def duration(s: float) -> str:
+    """A time estimate in words: under a second says so (a tiny model's stages), hours as hours."""
+    if s < 0.5:
+        return "< 1 s"
+    if s < 60:
+        return f"{s:.0f} s"
+    return f"{s / 60:.1f} min" if s < 5400 else f"{s / 3600:.1f} h"
+
+
 class Progress:
     """One line per stage start and end: ``[judge 3/8] truth: ... done in 4.1 s (1.2 GFLOP/s); ETA 30 s``.
 
@@ -79,7 +88,7 @@ class Progress:
 
     def _eta(self) -> str:
         s = sum(self.left.values())
-        return f"ETA {s / 60:.1f} min" if s >= 60 else f"ETA {s:.0f} s"
+        return f"ETA {duration(s)}"
 
     def start(self, name: str, what: str) -> float:
         self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({self._eta()})")
