@@ -297,6 +297,10 @@ def test_dp_rank_outside_the_run_is_a_usage_error(tmp_path):
     res = CliRunner().invoke(app, ["merge", str(tmp_path / "dp2" / "pre"), "--recipe", "qwen3", "--dp-rank", "5",
                                    "--out", str(tmp_path / "m")])  # fmt: skip
     assert res.exit_code == 2 and "--dp-rank 5 is outside DP size 2" in res.stderr, res.output
+    # after finalize every DP rank holds all batches' gradient: --dp-rank there is a usage mistake too
+    res = CliRunner().invoke(app, ["merge", str(tmp_path / "dp2" / "post"), "--recipe", "qwen3", "--dp-rank", "1",
+                                   "--out", str(tmp_path / "m")])  # fmt: skip
+    assert res.exit_code == 2 and "--dp-rank selects a micro-batch before finalize" in res.stderr, res.output
 
 
 def test_the_local_table_keeps_long_module_names_whole():

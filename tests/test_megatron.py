@@ -169,7 +169,7 @@ def test_missing_ranks_mixed_stages_and_foreign_configs_are_named(peers, tmp_pat
         merge_ranks(
             [peers / "tp2" / "pre"], tmp_path / "m", recipe="qwen3", hf_config={**HF, "vocab_size": V, "num_key_value_heads": 2}
         )
-    with pytest.raises(BundleError, match="after finalize every DP rank holds the gradient of all 2 DP ranks' batches"):
+    with pytest.raises(UsageError, match="after finalize every DP rank holds the gradient of all 2 DP ranks' batches"):
         merge_ranks([peers / "dp2" / "post"], tmp_path / "m", recipe="qwen3", dp_rank=1)
     # the tokenizer's vocabulary in a user's config is the true one: accepted, the padded rows kept
     out = merge_ranks([peers / "tp2" / "pre"], tmp_path / "ok", recipe="qwen3", hf_config={**HF, "vocab_size": V})

@@ -159,7 +159,7 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
     if dp_rank is not None and not 0 <= dp_rank < dp:
         raise UsageError(f"--dp-rank {dp_rank} is outside DP size {dp}: choose 0..{dp - 1}")
     if dp_rank is not None and stage == "post-finalize" and dp > 1:
-        raise BundleError(f"--dp-rank {dp_rank}: after finalize every DP rank holds the gradient of all {dp} DP ranks' "
+        raise UsageError(f"--dp-rank {dp_rank}: after finalize every DP rank holds the gradient of all {dp} DP ranks' "
                           "batches, so the step is all of them; --dp-rank selects a micro-batch before finalize")  # fmt: skip
     dps = [dp_rank or 0] if stage == "pre-finalize" else list(range(dp))
     chosen: dict[tuple[int, int, int], Bundle] = {}
