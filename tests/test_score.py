@@ -60,6 +60,25 @@ PLANTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def streamed_oracle(fp32_capture, tmp_path_factory):
+    from oracle.replay.run import replay
+
+    return str(replay(fp32_capture, tmp_path_factory.mktemp("streamed") / "oracle", max_memory=8 << 30))
+
+
+@pytest.mark.parametrize("name,instrument,layer,module", PLANTS, ids=[p[0] for p in PLANTS])
+def test_a_streamed_oracle_names_the_same_onset_as_the_in_memory_one(name, instrument, layer, module, make_capture,
+                                                                      streamed_oracle, oracle_bundle, band):  # fmt: skip
+    """A streamed oracle records the order its units' recomputations complete their parameters in,
+    so the onset names the parameter the in-memory oracle names (the first the backward completes)."""
+    cap = make_capture(name, "fp32", instrument)
+    v = _cap(score(streamed_oracle, [cap], band_paths=[band("fp32")]))["verdict"]
+    ref = _cap(score(oracle_bundle, [cap], band_paths=[band("fp32")]))["verdict"]
+    assert v["class"] == "beyond_noise" and v["onset"]["layer"] == layer, v["text"]
+    assert v["onset"]["param"].startswith(module) and v["onset"]["param"] == ref["onset"]["param"], v["text"]
+
+
 @pytest.mark.parametrize("name,instrument,layer,module", PLANTS, ids=[p[0] for p in PLANTS])
 def test_planted_fault_onset_is_found_at_the_right_layer(name, instrument, layer, module, make_capture, oracle_bundle, band):
     cap = make_capture(name, "fp32", instrument)

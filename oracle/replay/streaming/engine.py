@@ -243,8 +243,7 @@ class StreamEngine:
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
             if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
-                written = self.journal.units[call.unit]["entries"]
-                self.order += [p for p in self.unit_params[call.unit] if p in written]
+                self.order += list(self.journal.units[call.unit]["entries"])  # journalled in completion order
             self._tick("backward", call.unit)
             return saved
         if call.unit in self.by_rows:
@@ -258,6 +257,11 @@ class StreamEngine:
                 self.mode.mark_low(x)
             inputs.append(x)
         materialize(module, call.unit + ".", self.weights, requires_grad=True)
+        # the order this backward completes the unit's parameters in (the first accumulation of each,
+        # in the last call): the oracle's backward order inside a unit, as the in-memory replay records it
+        seen: dict[str, None] = {}
+        hooks = [p.register_post_accumulate_grad_hook(lambda _, n=f"{call.unit}.{n}": seen.setdefault(n))
+                 for n, p in module.named_parameters()]  # fmt: skip
         outer = None
         if call.gen is not None:
             # emulation: the recomputation draws the forward's jitter, and leaves the stream where it
@@ -268,8 +272,12 @@ class StreamEngine:
             out = self._run(call, inputs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            try:
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            finally:
+                for h in hooks:
+                    h.remove()
         if outer is not None:
             self.mode._gen.set_state(outer)
         grads = [x.grad if req else None for x, req in zip(inputs, call.requires)]
@@ -285,8 +293,10 @@ class StreamEngine:
         self.journal.record_call(call.unit, call.index, grads)
         self._drop_consumed((call.unit, call.index))
         if last:
-            grads_of_unit = self.pending.pop(call.unit)
-            self.order += [p for p in self.unit_params[call.unit] if p in grads_of_unit]
+            acc = self.pending.pop(call.unit)
+            done = [p for p in seen if p in acc] + [p for p in self.unit_params[call.unit] if p in acc and p not in seen]
+            grads_of_unit = {p: acc[p] for p in done}  # journalled in that order: a resumed run reads it back
+            self.order += done
             self.journal.write_unit(call.unit, grads_of_unit)
         _trim()
         self._tick("backward", call.unit)
