@@ -94,11 +94,13 @@ class Recipe:
         raise NotImplementedError
 
     def megatron_layer_call(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], inputs: dict[str, torch.Tensor]
-    ) -> tuple[tuple, dict[str, Any]]:
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        inputs: dict[str, torch.Tensor], attention_mask: torch.Tensor | None,
+    ) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
         """``(args, kwargs)`` with which the HF model calls one decoder layer in the step whose inputs
-        are ``inputs`` (a merged Megatron capture's), given the layer's ``hidden_states`` (B, T, H)
-        and ``position_embeddings`` (cos, sin), each (B, T, D). ``hidden_states`` itself must be
+        are ``inputs`` (a merged Megatron capture's), given the layer's ``hidden_states`` (B, T, H),
+        ``position_embeddings`` (cos, sin), each (B, T, D), and ``attention_mask``: None (causal) or,
+        for packed samples, a (B, 1, T, T) bool mask, True = attends. ``hidden_states`` itself must be
         among the arguments. Raise NotImplementedError when the recipe cannot (merge then names the
         layer as not mapped)."""
         raise NotImplementedError

@@ -111,14 +111,14 @@ class Qwen3VLRecipe(Recipe):
             return masked_token_loss(logits, inputs["labels"], inputs["loss_mask"], reduction)
         return causal_lm_loss(logits, inputs["labels"], reduction)
 
-    def megatron_layer_call(self, hidden_states, position_embeddings, inputs):
+    def megatron_layer_call(self, hidden_states, position_embeddings, inputs, attention_mask):
         """As ``Qwen3VLTextModel.forward`` calls each layer: the rotary tables shared by all layers,
-        the attention mask of our attention (None: causal, per packed sample as the text positions
-        restart), and the text position row, which the model passes only when the positions have 4
-        rows (packed: the restarting text row in front, recipe.pack_inputs / megatron/packing.py)."""
+        the mask (None: causal; packed: per sample), and the text position row, which the model
+        passes only when the positions have 4 rows (packed: the restarting text row in front,
+        recipe.pack_inputs / megatron/packing.py)."""
         pos = inputs.get("position_ids")
         text = pos[0] if pos is not None and pos.dim() == 3 and pos.shape[0] == 4 else None
-        return (hidden_states,), {"attention_mask": None, "position_ids": text, "position_embeddings": position_embeddings}
+        return (hidden_states,), {"attention_mask": attention_mask, "position_ids": text, "position_embeddings": position_embeddings}
 
     def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
         """The deepstack features enter the hidden states at the visual positions of layers 0..k-1

@@ -20,7 +20,9 @@ MindSpeed-LLM or a custom loop) and wraps its three schedules, which
   regex over the model chunk's mcore module names; hook.py ``module_selection``) a ModuleRecorder
   (oracle/capture/modules.py) records the selected modules' boundaries during that call (the
   grad-enabled call: under full recompute the recomputation) and both bundles hold them, for
-  ``oracle replay --local`` after merge; ``ORACLE_CAPTURE_MODULES_BUDGET_MB`` caps their size;
+  ``oracle replay --local`` after merge; ``ORACLE_CAPTURE_MODULES_BUDGET_MB`` caps their size (a
+  selection that is no preset nor valid regex, or matches nothing, is said on stderr and the step
+  is captured without boundaries);
 - every recorder only reads (tensors are copied to CPU by ``capture_rank``); the wrappers are
   removed when the call returns, so the step's numbers are those of a run without the variable
   (tested bitwise on ms-swift's own Qwen3-VL step).
@@ -190,9 +192,8 @@ def _captured_call(fbf, args, kwargs, n):
         try:
             recorder = record_modules(chunks[0], os.environ["ORACLE_CAPTURE_MODULES"],
                                       budget_mb=float(budget) if budget else None)  # fmt: skip
-        except ValueError as e:
-            handle.remove()
-            raise ValueError(f"ORACLE_CAPTURE_MODULES: {e}") from None
+        except ValueError as e:  # the step runs and is captured without boundaries; the run is never stopped
+            _say(f"ORACLE_CAPTURE_MODULES: {e}; capturing without module boundaries")
 
     def write(stage):
         losses = store.get("losses", [])

@@ -20,8 +20,9 @@ Per mapped layer, from the ranks of its stage (TP rank order):
       float64 and rounded to the hidden states' dtype (what mcore's apply_rotary_pos_emb and HF's
       rotary embedding both hand the attention: ``cos(freqs).to(x.dtype)``; attention scaling 1).
   attention_mask: must be the mask the merged step implies (causal, block-diagonal per packed
-      sample of the merged ``cu_seqlens``; True = masked), which the replay's attention applies
-      from the inputs; another mask is refused for that layer.
+      sample of the merged ``cu_seqlens``; True = masked); another mask is refused for that layer.
+      The HF call gets None (causal) for an unpacked step, else that mask as a (B, 1, T, T) bool
+      tensor, True = attends (what transformers' sdpa takes; local replay runs sdpa).
   parameter gradients: the merged ``grads`` (merge.py: TP shards merged, SP partial sums summed).
 What cannot be mapped exactly is not mapped, and ``megatron.boundaries.unmapped`` says why (a
 module the recipe has no template or call for, rotary cos/sin passed precomputed, cross-attention
@@ -121,8 +122,9 @@ def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Te
         if mask.dtype != torch.bool or mask.shape[-2:] != want.shape[-2:] or not torch.equal(mask.expand_as(want), want):
             raise _Unmapped("its attention_mask is not the causal per-sample mask of the merged step, which the "
                             "replay's attention applies; a layer that ran with another mask is not replayed as this one")  # fmt: skip
+    allowed = None if inputs.get("cu_seqlens") is None else ~_step_mask(inputs, b, seq)  # packed: per-sample causal
     try:
-        args, kwargs = recipe.megatron_layer_call(x, (cos, sin), inputs)
+        args, kwargs = recipe.megatron_layer_call(x, (cos, sin), inputs, allowed)
     except NotImplementedError:
         raise _Unmapped(f"recipe {recipe.name!r} builds no HF call for a decoder layer (megatron_layer_call)") from None
     flat, spec = tree_flatten((args, kwargs))
