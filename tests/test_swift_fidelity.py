@@ -312,3 +312,19 @@ def test_post_finalize_and_foreign_masks_are_named_not_compared(layer_runs, tmp_
     un = leak.get("megatron")["boundaries"]["unmapped"]
     assert [u["module"] for u in un] == ["language_model.decoder.layers.1"] and "attention_mask" in un[0]["why"]
     assert sorted(leak.get("modules")) == [LAYERS[0], LAYERS[2], LAYERS[3]]
+
+
+def test_judge_names_the_faulty_layer_from_two_ms_swift_rank_folders(layer_runs, tmp_path):
+    """``oracle judge`` on the honest and the faulty rank folders (as ORACLE_CAPTURE wrote them, with
+    ORACLE_CAPTURE_MODULES=layers): the faulty run is named, the error born in decoder layer 2's
+    backward, found by local replay."""
+    honest, fault = layer_runs["honest"][0], layer_runs["fault"][0]
+    r = CliRunner().invoke(app, ["judge", str(honest), str(fault), "--recipe", "qwen3-vl", "--name", "H20", "--name", "NPU",
+                                 "--ensemble", "2", "--out", str(tmp_path / "judge")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "judge" / "report" / "judge.txt").read_text().splitlines()[0]
+    assert first.startswith("answer: NPU is faulty (beyond its own noise band); born in model.language_model.layers.2 (backward"), first
+    doc = __import__("json").loads((tmp_path / "judge" / "report" / "judge.json").read_text())
+    born = {b["run"]: b for b in doc["answers"]["born"]["per_run"]}
+    assert born["NPU"]["module"] == "model.language_model.layers.2" and born["NPU"]["source"] == "local replay"
+    assert [x["name"] for x in doc["runs"] if x["modules"]] == ["H20", "NPU"]
