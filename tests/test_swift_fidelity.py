@@ -235,7 +235,8 @@ def test_recorded_decoder_layers_merge_onto_the_hf_layers_in_their_call_form(lay
     assert hidden.shape == (1, t, 64) and kw["attention_mask"] is None and kw["position_ids"] is None
     model = get("qwen3-vl").build(b.get("recipe")["config"])
     cos, sin = model.model.language_model.rotary_emb(hidden, b.load("inputs", "position_ids"))
-    assert torch.allclose(kw["position_embeddings"][0], cos, atol=1e-6) and torch.allclose(kw["position_embeddings"][1], sin, atol=1e-6)
+    got_cos, got_sin = kw["position_embeddings"]
+    assert torch.allclose(got_cos, cos, atol=1e-6) and torch.allclose(got_sin, sin, atol=1e-6)
 
 
 def test_honest_step_every_layer_within_its_local_band(layer_runs):
@@ -323,7 +324,8 @@ def test_judge_names_the_faulty_layer_from_two_ms_swift_rank_folders(layer_runs,
                                  "--ensemble", "2", "--out", str(tmp_path / "judge")])  # fmt: skip
     assert r.exit_code == 0, r.output
     first = (tmp_path / "judge" / "report" / "judge.txt").read_text().splitlines()[0]
-    assert first.startswith("answer: NPU is faulty (beyond its own noise band); born in model.language_model.layers.2 (backward"), first
+    want = "answer: NPU is faulty (beyond its own noise band); born in model.language_model.layers.2 (backward"
+    assert first.startswith(want), first
     doc = __import__("json").loads((tmp_path / "judge" / "report" / "judge.json").read_text())
     born = {b["run"]: b for b in doc["answers"]["born"]["per_run"]}
     assert born["NPU"]["module"] == "model.language_model.layers.2" and born["NPU"]["source"] == "local replay"

@@ -125,7 +125,11 @@ class Qwen3Recipe(Recipe):
         pos = inputs.get("position_ids")
         if pos is None:
             pos = torch.arange(hidden_states.shape[1]).unsqueeze(0)
-        return (hidden_states,), {"attention_mask": attention_mask, "position_ids": pos, "position_embeddings": position_embeddings}
+        return (hidden_states,), {
+            "attention_mask": attention_mask,
+            "position_ids": pos,
+            "position_embeddings": position_embeddings,
+        }
 
     def loss_from_logits(self, logits, inputs, reduction):
         if "loss_mask" in inputs:  # Megatron batch: labels pre-shifted, float mask

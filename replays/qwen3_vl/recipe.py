@@ -118,7 +118,11 @@ class Qwen3VLRecipe(Recipe):
         recipe.pack_inputs / megatron/packing.py)."""
         pos = inputs.get("position_ids")
         text = pos[0] if pos is not None and pos.dim() == 3 and pos.shape[0] == 4 else None
-        return (hidden_states,), {"attention_mask": attention_mask, "position_ids": text, "position_embeddings": position_embeddings}
+        return (hidden_states,), {
+            "attention_mask": attention_mask,
+            "position_ids": text,
+            "position_embeddings": position_embeddings,
+        }
 
     def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
         """The deepstack features enter the hidden states at the visual positions of layers 0..k-1

@@ -145,7 +145,9 @@ def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Te
     return entry, tensors
 
 
-def merge_boundaries(chosen: dict, info: dict, recipe, inputs: dict[str, torch.Tensor], sp: bool, seq: int) -> tuple[dict, dict, dict]:
+def merge_boundaries(
+    chosen: dict, info: dict, recipe, inputs: dict[str, torch.Tensor], sp: bool, seq: int
+) -> tuple[dict, dict, dict]:
     """-> (``manifest["modules"]`` under HF names, ``{group: tensors}``, the record for ``megatron.boundaries``)."""
     d0, tp, pp = info["dps"][0], info["tp"], info["pp"]
     recorded = [chosen[d0, p, t].manifest.get("modules") or {} for p in range(pp) for t in range(tp)]
@@ -167,9 +169,10 @@ def merge_boundaries(chosen: dict, info: dict, recipe, inputs: dict[str, torch.T
         here = [set(b.manifest.get("modules") or {}) for b in ranks]
         offset = int(ranks[0].manifest["megatron"].get("layer_offset") or 0)
         local_orders = []
-        for name in sorted(here[0] | set().union(*here), key=lambda n: (ranks[0].manifest.get("modules", {}).get(n, {}).get("order") or 0, n)):
+        first = ranks[0].manifest.get("modules") or {}
+        for name in sorted(set().union(*here), key=lambda n: (first.get(n, {}).get("order") or 0, n)):
             local = strip_wrappers(name)
-            gname = _LAYER.sub(lambda m: f"{m[1]}{int(m[2]) + offset}", local) if offset else local
+            gname = _LAYER.sub(lambda m, o=offset: f"{m[1]}{int(m[2]) + o}", local) if offset else local
             try:
                 if any(name not in s for s in here):
                     raise _Unmapped(f"recorded on some TP ranks of stage {p} only")
