@@ -35,6 +35,9 @@ class Recipe:
     embedded: tuple[str, ...] = ()
     #: mcore parameter name templates -> HF names (oracle/integrations/megatron/names.py), for Megatron captures
     megatron_names: dict[str, str] = {}
+    #: mcore module name templates -> HF module names (``{i}``: the global layer index), for the
+    #: module boundaries of Megatron captures (oracle/integrations/megatron/boundaries.py)
+    megatron_modules: dict[str, str] = {}
     #: tensor-parallel plan (module path pattern -> colwise / rowwise / replicated_with_grad_allreduce)
     #: for text models whose transformers config ships no layer plan (oracle/parallel/tensor_parallel.py)
     tp_plan: dict[str, str] = {}
@@ -88,6 +91,18 @@ class Recipe:
     def layer_key(self, name: str) -> tuple[tuple[int, int], str] | None:
         """``((major, minor), label)`` of the layer ``name`` belongs to; sorting by the tuple walks
         the backward pass from the loss end (oracle/score/layers.py groups with it). ``None``: unknown."""
+        raise NotImplementedError
+
+    def megatron_layer_call(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        inputs: dict[str, torch.Tensor], attention_mask: torch.Tensor | None,
+    ) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
+        """``(args, kwargs)`` with which the HF model calls one decoder layer in the step whose inputs
+        are ``inputs`` (a merged Megatron capture's), given the layer's ``hidden_states`` (B, T, H),
+        ``position_embeddings`` (cos, sin), each (B, T, D), and ``attention_mask``: None (causal) or,
+        for packed samples, a (B, 1, T, T) bool mask, True = attends. ``hidden_states`` itself must be
+        among the arguments. Raise NotImplementedError when the recipe cannot (merge then names the
+        layer as not mapped)."""
         raise NotImplementedError
 
     def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:

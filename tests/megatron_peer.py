@@ -140,6 +140,11 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                   use_distributed_optimizer=False), model)  # fmt: skip
     ddp.zero_grad_buffer()
+    recorder = None
+    if opts.get("modules"):  # module boundaries, recorded during the step as capture_rank's docs say
+        from oracle.integrations.megatron.hook import record_modules
+
+        recorder = record_modules(ddp, opts["modules"])
     b = batch(vocab, seed=7 + parallel_state.get_data_parallel_rank())
     s = b["tokens"].shape[1]
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # 2. explicit causal mask (True = masked)
@@ -183,25 +188,29 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
         "num_tokens": n_tokens,
         "vocab_size": vocab,
         "make_vocab_size_divisible_by": opts["divisible_by"],
+        "modules": recorder,
     }
     capture_rank(ddp, os.path.join(out, "pre"), stage="pre-finalize", **kw)
     finalize_model_grads([ddp], num_tokens=torch.tensor(n_tokens, dtype=torch.int) if per_token else None)
     capture_rank(ddp, os.path.join(out, "post"), stage="post-finalize", **kw)
+    if recorder is not None:
+        recorder.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
-             fault: tuple[int, float] | None = None, tied: bool = False) -> str:  # fmt: skip
+             fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
     in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
     ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward.
     ``tied``: share_embeddings_and_output_weights (with PP > 1 the last stage holds its own copy of the
-    embedding as output_layer, and finalize sums the two stages' gradients)."""
+    embedding as output_layer, and finalize sums the two stages' gradients). ``modules``: a selection
+    for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
-            "packed": packed, "fault": fault, "tied": tied}  # fmt: skip
+            "packed": packed, "fault": fault, "tied": tied, "modules": modules}  # fmt: skip
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 

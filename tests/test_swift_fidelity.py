@@ -189,3 +189,144 @@ def test_env_captured_bf16_step_is_within_its_emulated_band(env_runs, tmp_path):
     c = score(oracle, [cap], band_paths=[band])["captures"][0]
     assert len(c["params"]) == 104 and c["verdict"]["class"] == "within_noise", c["verdict"]
     assert max(p["excess"] for p in c["params"]) < 1.0
+
+
+# -- module boundaries: ORACLE_CAPTURE_MODULES, merged onto the HF layers, replayed locally ------------------------
+FAULT_LAYER, FAULT = 2, 1.01  # peer.py SWIFT_PEER_FAULT: the gradient into decoder layer 2's MLP output x 1.01
+LAYERS = [f"model.language_model.layers.{i}" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def layer_runs(tmp_path_factory):
+    """name -> (rank folder DIR/capture/pre, merged capture, its local replay): TP 1 fp32 steps captured
+    through ORACLE_CAPTURE with ORACLE_CAPTURE_MODULES=layers; ``fault`` with a device fault planted
+    in the ms-swift run (not in the capture), ``tp2sp`` the honest step at TP 2 + SP."""
+    from oracle.replay.local import replay_local
+
+    root = tmp_path_factory.mktemp("swift-layers")
+    out = {}
+    for name, (tp, sp, extra) in {"honest": (1, False, {}), "fault": (1, False, {"SWIFT_PEER_FAULT": f"mlp-grad:{FAULT_LAYER}:{FAULT}"}),
+                                  "tp2sp": (2, True, {})}.items():  # fmt: skip
+        cap_dir = rank_capture.env_capture(str(root / name), tp=tp, sp=sp, env={"ORACLE_CAPTURE_MODULES": "layers", **extra})
+        cap = merge_ranks([Path(cap_dir) / "pre"], root / f"{name}.cap", recipe="qwen3-vl")
+        out[name] = (Path(cap_dir) / "pre", str(cap), str(replay_local(cap, root / f"{name}.local")))
+    return out
+
+
+def test_recorded_decoder_layers_merge_onto_the_hf_layers_in_their_call_form(layer_runs):
+    """The four mcore decoder layers become the HF layers: [b, s, h] boundaries, the rotary tables
+    rebuilt from the angles the layer received equal to transformers' own rotary embedding of the
+    merged positions (the boundary is the same function), the step's causal mask accepted."""
+    from torch.utils._pytree import tree_unflatten, treespec_loads
+
+    from oracle.recipe import get
+
+    _, cap, _ = layer_runs["honest"]
+    b = Bundle(cap)
+    rec = b.get("megatron")["boundaries"]
+    assert rec["mapped"] == {hf: f"language_model.decoder.layers.{i}" for i, hf in enumerate(LAYERS)}
+    assert rec["unmapped"] == [] and sorted(b.get("modules")) == LAYERS
+    meta = b.get("modules")[LAYERS[1]]
+    spec = treespec_loads(meta["in_spec"])
+    leaves = [b.load(f"mod.{LAYERS[1]}", f"in.{i}") if b.has(f"mod.{LAYERS[1]}", f"in.{i}") else meta["in_static"].get(str(i))
+              for i in range(spec.num_leaves)]  # fmt: skip
+    (hidden,), kw = tree_unflatten(leaves, spec)
+    t = b.load("inputs", "input_ids").shape[1]
+    assert hidden.shape == (1, t, 64) and kw["attention_mask"] is None and kw["position_ids"] is None
+    model = get("qwen3-vl").build(b.get("recipe")["config"])
+    cos, sin = model.model.language_model.rotary_emb(hidden, b.load("inputs", "position_ids"))
+    got_cos, got_sin = kw["position_embeddings"]
+    assert torch.allclose(got_cos, cos, atol=1e-6) and torch.allclose(got_sin, sin, atol=1e-6)
+
+
+def test_honest_step_every_layer_within_its_local_band(layer_runs):
+    """Local replay of the honest step: each decoder layer's forward, backward and parameter
+    gradients within the error an emulated honest fp32 run makes in that layer alone; no culprit."""
+    from oracle.score.local import score_local
+
+    s = score_local(layer_runs["honest"][2])
+    rows = {r["module"]: r for r in s["modules"]}
+    assert sorted(rows) == LAYERS
+    assert all(r["ratio"] < 1.0 and not r["beyond"] for r in rows.values()), {m: r["ratio"] for m, r in rows.items()}
+    assert all(r["fwd"] <= 1e-6 and r["bwd"] <= 1e-6 and r["param"] <= 1e-6 for r in rows.values())
+    assert s["culprits"] == [] and s["verdict"]["culprit"] is None
+
+
+def test_a_fault_planted_in_one_layers_mlp_is_found_at_that_layer(layer_runs):
+    """The gradient into layer 2's MLP scaled by 1.01 in the ms-swift run: layer 2 is the culprit
+    (backward), thousands of times its band; layer 3 (before it in the backward) and layers 0-1
+    (after it) are not flagged; layers 0-1 receive the error (inherited), layers 2-3 do not."""
+    from oracle.score.local import score_local
+
+    s = score_local(layer_runs["fault"][2])
+    rows = {r["module"]: r for r in s["modules"]}
+    bad = LAYERS[FAULT_LAYER]
+    assert s["culprits"] == [bad] and s["verdict"]["culprit"] == bad and s["verdict"]["direction"] == "backward"
+    assert rows[bad]["ratio"] > 1000 and rows[bad]["ratio_fwd"] < 1.0
+    assert all(not rows[m]["beyond"] and rows[m]["ratio"] < 1.0 for m in LAYERS if m != bad)
+    assert all(rows[m]["inherited"] > 1e-4 for m in LAYERS[:FAULT_LAYER])  # born at layer 2, passed on down
+    assert all(rows[m]["inherited"] < 1e-5 for m in LAYERS[FAULT_LAYER:])
+
+
+def test_tp2_sp_boundaries_concatenate_to_the_tp1_ones(layer_runs):
+    """TP 2 + SP: each rank held s/2 rows of every boundary; concatenated in TP-rank order they are
+    the TP 1 step's (within fp32 reduction-order noise), and every layer is within its band."""
+    from oracle.score.local import score_local
+
+    one, two = Bundle(layer_runs["honest"][1]), Bundle(layer_runs["tp2sp"][1])
+    assert sorted(two.get("modules")) == LAYERS and two.get("megatron")["sequence_parallel"]
+    for m in LAYERS:
+        g = f"mod.{m}"
+        assert sorted(one.names(g)) == sorted(two.names(g))
+        for k in one.names(g):
+            a, b = one.load(g, k).double(), two.load(g, k).double()
+            assert a.shape == b.shape and float((a - b).norm() / a.norm()) <= 1e-5, (m, k)
+    s = score_local(layer_runs["tp2sp"][2])
+    assert s["culprits"] == [] and all(r["ratio"] < 1.0 for r in s["modules"])
+
+
+def test_post_finalize_and_foreign_masks_are_named_not_compared(layer_runs, tmp_path):
+    """After finalize the parameter gradients were divided by the token count and the boundaries were
+    not: merge maps none and says why. A layer whose recorded attention mask is not the step's
+    (one token sees the next) is left out by name; the others are still mapped."""
+    from oracle.replay.local import replay_local
+
+    pre = layer_runs["honest"][0]
+    post = Bundle(merge_ranks([pre.parent / "post"], tmp_path / "post.cap", recipe="qwen3-vl"))
+    rec = post.get("megatron")["boundaries"]
+    assert not post.get("modules") and len(rec["unmapped"]) == 4 and "pre-finalize bundles only" in rec["unmapped"][0]["why"]
+    with pytest.raises(Exception, match="none of the 4 recorded Megatron module"):
+        replay_local(post.path, tmp_path / "post.local")
+    src = Bundle(pre / "rank00000")
+    layer = "module.module.language_model.decoder.layers.1"
+    m = src.manifest["megatron"]["modules"]["leaves"][layer]["attention_mask"]
+    with BundleWriter(tmp_path / "leak" / "rank00000", "capture") as w:
+        w.manifest.update({k: v for k, v in src.manifest.items() if k not in ("tensors", "schema_version", "kind")})
+        for g in src.groups():
+            t = src.load_group(g)
+            if g == f"mod.{layer}":
+                mask = t[f"in.{m}"].clone()
+                mask[..., 5, 6] = False  # query 5 sees key 6
+                t[f"in.{m}"] = mask
+            w.add(g, t)
+    leak = Bundle(merge_ranks([tmp_path / "leak"], tmp_path / "leak.cap", recipe="qwen3-vl"))
+    un = leak.get("megatron")["boundaries"]["unmapped"]
+    assert [u["module"] for u in un] == ["language_model.decoder.layers.1"] and "attention_mask" in un[0]["why"]
+    assert sorted(leak.get("modules")) == [LAYERS[0], LAYERS[2], LAYERS[3]]
+
+
+def test_judge_names_the_faulty_layer_from_two_ms_swift_rank_folders(layer_runs, tmp_path):
+    """``oracle judge`` on the honest and the faulty rank folders (as ORACLE_CAPTURE wrote them, with
+    ORACLE_CAPTURE_MODULES=layers): the faulty run is named, the error born in decoder layer 2's
+    backward, found by local replay."""
+    honest, fault = layer_runs["honest"][0], layer_runs["fault"][0]
+    r = CliRunner().invoke(app, ["judge", str(honest), str(fault), "--recipe", "qwen3-vl", "--name", "H20", "--name", "NPU",
+                                 "--ensemble", "2", "--out", str(tmp_path / "judge")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "judge" / "report" / "judge.txt").read_text().splitlines()[0]
+    want = "answer: NPU is faulty (beyond its own noise band); born in model.language_model.layers.2 (backward"
+    assert first.startswith(want), first
+    doc = __import__("json").loads((tmp_path / "judge" / "report" / "judge.json").read_text())
+    born = {b["run"]: b for b in doc["answers"]["born"]["per_run"]}
+    assert born["NPU"]["module"] == "model.language_model.layers.2" and born["NPU"]["source"] == "local replay"
+    assert [x["name"] for x in doc["runs"] if x["modules"]] == ["H20", "NPU"]

@@ -163,8 +163,17 @@ class Judge:
 
     # -- the plan ----------------------------------------------------------------------------
     def has_modules(self) -> list[bool]:
-        """Megatron rank captures record no module boundaries; a capture bundle says."""
-        return [k == "capture" and bool(Bundle(p).get("modules")) for k, p in self.inputs]
+        """Whether each run recorded module boundaries: a capture bundle says; a rank folder's first
+        rank bundle says (``ORACLE_CAPTURE_MODULES`` / ``capture_rank(modules=)``; what merge can map
+        of them is replayed, megatron/boundaries.py)."""
+        out = []
+        for k, p in self.inputs:
+            if k == "capture":
+                out.append(bool(Bundle(p).get("modules")))
+                continue
+            first = next((q for q in sorted(Path(p).iterdir()) if (q / "manifest.json").is_file()), None)
+            out.append(first is not None and bool(Bundle(first).get("modules")))
+        return out
 
     def stage_names(self, precisions: list[str]) -> list[str]:
         names = [f"merge-{n}" for (k, _), n in zip(self.inputs, self.names) if k == "ranks"] + ["truth"]

@@ -242,7 +242,12 @@ def replay_local(
     check_output(out, overwrite)
     recorded = cap.get("modules") or {}
     if not recorded:
-        raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all)")
+        unmapped = ((cap.get("megatron") or {}).get("boundaries") or {}).get("unmapped") or []
+        if unmapped:
+            raise BundleError(f"{cap.path}: none of the {len(unmapped)} recorded Megatron module(s) could be mapped onto the "
+                              f"recipe's modules (e.g. {unmapped[0]['module']}: {unmapped[0]['why']})")  # fmt: skip
+        raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all), or on "
+                          "Megatron with ORACLE_CAPTURE_MODULES=layers (or capture_rank(modules=record_modules(...)))")  # fmt: skip
     names = sorted(recorded)
     if modules:
         try:

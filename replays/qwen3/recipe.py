@@ -59,6 +59,7 @@ class Qwen3Recipe(Recipe):
     name = "qwen3"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
+    megatron_modules = {"decoder.layers.{i}": "model.layers.{i}"}
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         return hf_config.get("model_type") == "qwen3"
@@ -117,6 +118,18 @@ class Qwen3Recipe(Recipe):
         ids = inputs["tokens"] if "tokens" in inputs else inputs["input_ids"]
         hidden = model.model(input_ids=ids, position_ids=inputs.get("position_ids")).last_hidden_state  # (B, T, H)
         return lm_head_loss(model.lm_head, hidden, inputs["labels"], reduction, inputs.get("loss_mask"))
+
+    def megatron_layer_call(self, hidden_states, position_embeddings, inputs, attention_mask):
+        """As ``Qwen3Model.forward`` calls each layer: the shared rotary tables, the mask (None:
+        causal; packed: per sample) and the positions (0..T-1 by default)."""
+        pos = inputs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(hidden_states.shape[1]).unsqueeze(0)
+        return (hidden_states,), {
+            "attention_mask": attention_mask,
+            "position_ids": pos,
+            "position_embeddings": position_embeddings,
+        }
 
     def loss_from_logits(self, logits, inputs, reduction):
         if "loss_mask" in inputs:  # Megatron batch: labels pre-shifted, float mask

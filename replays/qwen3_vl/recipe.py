@@ -39,6 +39,7 @@ class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = _vl_megatron_names()
+    megatron_modules = {"language_model.decoder.layers.{i}": "model.language_model.layers.{i}"}
     # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder
     # layers are Qwen3's, so Qwen3's layer plan (Qwen3Config.base_model_tp_plan) applies as it is
     tp_plan = {f"model.language_model.layers.*.{m}": s for m, s in (
@@ -109,6 +110,19 @@ class Qwen3VLRecipe(Recipe):
         if "loss_mask" in inputs:  # Megatron / ms-swift batch: labels pre-rolled, float mask
             return masked_token_loss(logits, inputs["labels"], inputs["loss_mask"], reduction)
         return causal_lm_loss(logits, inputs["labels"], reduction)
+
+    def megatron_layer_call(self, hidden_states, position_embeddings, inputs, attention_mask):
+        """As ``Qwen3VLTextModel.forward`` calls each layer: the rotary tables shared by all layers,
+        the mask (None: causal; packed: per sample), and the text position row, which the model
+        passes only when the positions have 4 rows (packed: the restarting text row in front,
+        recipe.pack_inputs / megatron/packing.py)."""
+        pos = inputs.get("position_ids")
+        text = pos[0] if pos is not None and pos.dim() == 3 and pos.shape[0] == 4 else None
+        return (hidden_states,), {
+            "attention_mask": attention_mask,
+            "position_ids": text,
+            "position_embeddings": position_embeddings,
+        }
 
     def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
         """The deepstack features enter the hidden states at the visual positions of layers 0..k-1

@@ -18,7 +18,8 @@ and ``config.finalize_model_grads_func`` to record, per rank, into ``OUT/raw/ran
 ``weights``, ``grads_pre`` (main_grad after the backward, before finalize), ``grads_post`` (after),
 ``batch`` (as the model received it) as safetensors, and ``meta.json`` (loss sum, token count,
 per-parameter TP layout marks, timings). ``OUT/hf`` is the tiny HF directory whose
-``model.safetensors`` holds the same weights in transformers' layout.
+``model.safetensors`` holds the same weights in transformers' layout. ``SWIFT_PEER_FAULT`` in the
+environment plants a device fault in the run (``plant_fault``).
 
     from peer import run
     info = run(out_dir, tp=2, sp=True, dtype="bf16")
@@ -170,6 +171,23 @@ def _main_grads(model):
     return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def plant_fault(model, spec: str) -> None:
+    """A device fault planted in the run (test code), from ``SWIFT_PEER_FAULT``:
+    ``mlp-grad:K:F``: the gradient arriving at decoder layer K's MLP output is multiplied by F in the
+    backward (the forward value is bitwise unchanged: ``y.detach() + (y - y.detach()) * F``), as a
+    wrong scale in one MLP's backward kernel would; K is the stage-local layer index."""
+    kind, layer, factor = spec.split(":")
+    assert kind == "mlp-grad", spec
+    mlp = model.language_model.decoder.layers[int(layer)].mlp
+    f = float(factor)
+
+    def hook(module, args, output):
+        y, bias = output
+        return y.detach() + (y - y.detach()) * f, bias
+
+    mlp.register_forward_hook(hook)
+
+
 def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1) -> None:
     sys.path.insert(0, HERE)
     import standins
@@ -202,6 +220,8 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
     model = model_provider(pre_process=first, post_process=last)
     model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
     _bridge_cls()().load_weights(model, model_dir)
+    if os.environ.get("SWIFT_PEER_FAULT"):
+        plant_fault(model, os.environ["SWIFT_PEER_FAULT"])
     config = get_model_config(model)
     wrapped = Float16Module(config, model) if args.bf16 else standins.PassThroughModule(config, model)
     ddp = DistributedDataParallel(

@@ -38,11 +38,13 @@ def run(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: f
     return out
 
 
-def env_capture(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: float = 600.0) -> str:
+def env_capture(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: float = 600.0,
+                env: dict | None = None) -> str:  # fmt: skip
     """The same step captured as the user would: peer.py unchanged, only ``ORACLE_CAPTURE=OUT/capture``
-    in its environment (the start-up hook, oracle/integrations/megatron/autocapture.py). -> OUT/capture."""
+    in its environment (the start-up hook, oracle/integrations/megatron/autocapture.py), plus ``env``
+    (e.g. ``ORACLE_CAPTURE_MODULES``, or peer.py's ``SWIFT_PEER_FAULT``). -> OUT/capture."""
     cap = os.path.join(out, "capture")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_CAPTURE=cap)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_CAPTURE=cap, **(env or {}))
     cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", str(tp), *(["--sp"] if sp else []), "--dtype", dtype]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode:

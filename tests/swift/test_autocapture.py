@@ -1,4 +1,5 @@
-"""ORACLE_CAPTURE on ms-swift 3.12.1's own Megatron Qwen3-VL step: no file edited, nothing changed.
+"""ORACLE_CAPTURE on ms-swift 3.12.1's own Megatron Qwen3-VL step: no file edited, nothing changed
+(module boundaries selected through ORACLE_CAPTURE_MODULES included).
 
 The ranks get only the environment variable; oracle-fp64 is installed in the pinned environment
 as a user installs it (``.ci/swift-env``: not editable, so ``oracle_capture.pth`` is in
@@ -24,6 +25,7 @@ from oracle.bundle.store import Bundle  # noqa: E402
 from oracle.integrations.megatron.autocapture import PTH_LINE, PTH_NAME  # noqa: E402
 
 CONFIGS = {"tp2sp-fp32": (2, True, "fp32", 1), "tp1-bf16": (1, False, "bf16", 1), "pp2-fp32": (1, False, "fp32", 2)}
+MODULES = {"tp2sp-fp32": "layers", "tp1-bf16": "layers"}  # ORACLE_CAPTURE_MODULES: decoder layers' boundaries too
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -52,8 +54,11 @@ def test_oracle_capture_records_every_rank_as_the_step_ran_and_changes_nothing(t
     """With only ORACLE_CAPTURE=DIR set, every rank writes DIR/pre and DIR/post whose gradients,
     weights and inputs are bitwise the harness's raw truth, with the loss function's loss sum and
     token count; the step's gradients are bitwise those of the same step without the variable.
-    Under PP (1F1B schedule) each stage captures its own part; only the last has a loss."""
-    cap = _run(tmp_path_factory, hf_dir, name, env={"ORACLE_CAPTURE": "{out}/capture"})
+    Under PP (1F1B schedule) each stage captures its own part; only the last has a loss. With
+    ORACLE_CAPTURE_MODULES=layers (TP 2 + SP fp32, TP 1 bf16) both bundles of every rank also hold
+    each decoder layer's boundaries (its s/TP rows under SP), and the step is still bitwise the same."""
+    env = {"ORACLE_CAPTURE": "{out}/capture", **({"ORACLE_CAPTURE_MODULES": MODULES[name]} if name in MODULES else {})}
+    cap = _run(tmp_path_factory, hf_dir, name, env=env)
     plain = _run(tmp_path_factory, hf_dir, name)
     raw, ref = truth.load_ranks(cap), truth.load_ranks(plain)
     for r, (got, want) in enumerate(zip(raw, ref)):
@@ -72,8 +77,20 @@ def test_oracle_capture_records_every_rank_as_the_step_ran_and_changes_nothing(t
                 assert b.get("megatron")["loss_as_given"] is None
             else:
                 assert b.get("megatron")["loss_as_given"] == pytest.approx(m["loss_sum"], rel=1e-7)
+            if name in MODULES:
+                layers = [f"module.module.language_model.decoder.layers.{i}" for i in range(4)]
+                assert sorted(b.get("modules")) == layers, (r, sub)
+                tp, seq = CONFIGS[name][0], m["seq_len"]
+                for n in layers:
+                    mod = b.load_group(f"mod.{n}")
+                    assert {"in.0", "out.0", "gout.0", "gin.0"} <= set(mod), (r, sub, n)
+                    assert mod["in.0"].shape[0] == seq // tp and mod["gin.0"].shape == mod["in.0"].shape  # [s/TP, b, h]
+                    assert b.get("modules")[n]["calls"] == 1
+            else:
+                assert not b.get("modules")
         log = open(os.path.join(cap, f"rank{r}.log")).read()
         assert "oracle: captured training call 0 into" in log
+        assert ("with 4 module boundaries" in log) == (name in MODULES)
 
 
 def test_nothing_captured_is_reported(tmp_path_factory, hf_dir):

@@ -16,6 +16,13 @@ MindSpeed-LLM or a custom loop) and wraps its three schedules, which
     token count: ms-swift's and Megatron-LM's ``(loss, num_tokens, logs)``, or ``(loss, logs)``),
   - ``config.finalize_model_grads_func`` is wrapped for that call only: ``DIR/pre/rankNNNNN`` is
     written right before it (the backward is done), ``DIR/post/rankNNNNN`` right after;
+- with ``ORACLE_CAPTURE_MODULES=SELECTION`` (a preset such as ``layers``, the decoder layers, or a
+  regex over the model chunk's mcore module names; hook.py ``module_selection``) a ModuleRecorder
+  (oracle/capture/modules.py) records the selected modules' boundaries during that call (the
+  grad-enabled call: under full recompute the recomputation) and both bundles hold them, for
+  ``oracle replay --local`` after merge; ``ORACLE_CAPTURE_MODULES_BUDGET_MB`` caps their size (a
+  selection that is no preset nor valid regex, or matches nothing, is said on stderr and the step
+  is captured without boundaries);
 - every recorder only reads (tensors are copied to CPU by ``capture_rank``); the wrappers are
   removed when the call returns, so the step's numbers are those of a run without the variable
   (tested bitwise on ms-swift's own Qwen3-VL step).
@@ -177,6 +184,16 @@ def _captured_call(fbf, args, kwargs, n):
     bound.arguments["forward_step_func"] = _record_loss(bound.arguments["forward_step_func"], store)
     config = get_model_config(chunks[0])
     finalize = config.finalize_model_grads_func
+    recorder = None
+    if os.environ.get("ORACLE_CAPTURE_MODULES"):
+        from .hook import record_modules
+
+        budget = os.environ.get("ORACLE_CAPTURE_MODULES_BUDGET_MB")
+        try:
+            recorder = record_modules(chunks[0], os.environ["ORACLE_CAPTURE_MODULES"],
+                                      budget_mb=float(budget) if budget else None)  # fmt: skip
+        except ValueError as e:  # the step runs and is captured without boundaries; the run is never stopped
+            _say(f"ORACLE_CAPTURE_MODULES: {e}; capturing without module boundaries")
 
     def write(stage):
         losses = store.get("losses", [])
@@ -187,7 +204,8 @@ def _captured_call(fbf, args, kwargs, n):
         sub = "pre" if stage == "pre-finalize" else "post"
         path = capture_rank(chunks[0], os.path.join(out_dir, sub), stage=stage, batch=batch, loss=loss,
                             num_tokens=sum(counts) if counts else None,
-                            packed_seq_params=store.get("packed_seq_params"), overwrite=True)  # fmt: skip
+                            packed_seq_params=store.get("packed_seq_params"), modules=recorder,
+                            overwrite=True)  # fmt: skip
         _state["written"].append(str(path))
 
     def finalize_and_capture(*fa, **fk):
@@ -205,9 +223,15 @@ def _captured_call(fbf, args, kwargs, n):
             _say("no config.finalize_model_grads_func in this loop: captured pre-finalize only")
     finally:
         handle.remove()
+        if recorder is not None:
+            recorder.close()
+            if recorder.over_budget:
+                _say(f"ORACLE_CAPTURE_MODULES_BUDGET_MB reached: {len(recorder.over_budget)} module(s) not fully recorded "
+                     f"({', '.join(recorder.over_budget[:4])})")  # fmt: skip
         if finalize is not None:
             config.finalize_model_grads_func = finalize
-    _say(f"captured training call {n} into {out_dir}")
+    mods = f" with {len(recorder.manifest())} module boundaries" if recorder is not None else ""
+    _say(f"captured training call {n} into {out_dir}{mods}")
     return result
 
 

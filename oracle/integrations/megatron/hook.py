@@ -24,6 +24,15 @@ MindSpeed's flags from the training arguments) and ``seq_lengths`` (what the att
 received); per parameter its owner class and whether it is a replicated transformers module.
 MindSpeed registers parameters in another order under the same names; nothing here depends on
 the order.
+
+Module boundaries (``modules=``, a :class:`ModuleRecorder` from :func:`record_modules`, entered
+before the step's forward): each selected module's inputs, outputs, grad_outputs and grad_inputs
+as the rank saw them (sequence-parallel ranks: their own s/TP rows), recorded on the grad-enabled
+call (under full recompute: the recomputation inside the backward), go into the bundle as
+``mod.<mcore name>`` groups with ``manifest["modules"]`` (oracle/capture/modules.py), and
+``manifest["megatron"]["modules"]`` names each call's tensor leaves by keyword (``hidden_states``,
+``rotary_pos_emb``, ...) so that merge can map them onto the Hugging Face module's call without
+reading a pytree spec written by another torch.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from torch import nn
 
 from ...bundle.store import BundleWriter
 from ...capture.api import describe_device, gradient_of, versions
+from ...capture.modules import ModuleRecorder, select
 from ...precision import name_of_param_dtype
 from .layout import padded_vocab
 from .runinfo import hf_config_of, label_convention, numerics_of, param_origins, rope_of, seq_lengths
@@ -50,6 +60,66 @@ _CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query
 _MODEL_FIELDS = ("vocab_size", "share_embeddings_and_output_weights", "rotary_base", "rotary_percent",
                  "max_sequence_length", "position_embedding_type")  # fmt: skip
 _LAYER = re.compile(r"layers\.(\d+)$")
+#: Module selections by mcore name (``ORACLE_CAPTURE_MODULES``, ``record_modules``): preset -> regex.
+#: ``layers``: the decoder layers (``...decoder.layers.N``, the language model's TransformerLayers).
+MODULE_PRESETS = {"layers": r"(^|\.)decoder\.layers\.\d+$"}
+
+
+def module_selection(model: nn.Module, selection: str) -> list[str]:
+    """``selection``: comma-separated presets (``MODULE_PRESETS``), else one regex searched in the
+    model chunk's module names (wrappers' ``module.`` prefixes included). ValueError when it is not
+    a valid regex or selects nothing (the message lists a few names to choose from)."""
+    parts = [x.strip() for x in selection.split(",") if x.strip()]
+    if parts and all(x in MODULE_PRESETS for x in parts):
+        pattern = "|".join(f"(?:{MODULE_PRESETS[x]})" for x in parts)
+    else:
+        pattern = selection
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"module selection {selection!r} is neither a preset ({', '.join(MODULE_PRESETS)}) nor a "
+                         f"valid regex ({e})") from None  # fmt: skip
+    names = select(model, pattern)
+    if not names:
+        some = [n for n, _ in model.named_modules() if n][:6]
+        raise ValueError(f"module selection {selection!r} matches no module of the model chunk (its names look like "
+                         f"{some}); use a preset ({', '.join(MODULE_PRESETS)}) or a regex over these names")  # fmt: skip
+    return names
+
+
+def record_modules(model: nn.Module, selection: str, *, budget_mb: float | None = None) -> ModuleRecorder:
+    """A started :class:`ModuleRecorder` over ``model``'s modules selected by ``selection`` (see
+    ``module_selection``); start it before the step's forward, pass it to ``capture_rank(modules=)``
+    after the backward, and ``close()`` it after the step. It only observes: the step's gradients
+    are bitwise those without it."""
+    names = module_selection(model, selection)
+    budget = None if budget_mb is None else int(budget_mb * 2**20)
+    return ModuleRecorder(model, names, budget_bytes=budget).__enter__()
+
+
+def _leaf_names(meta: dict[str, Any]) -> dict[str, int]:
+    """Keyword (or ``argN``, nested ``key.j``) -> pytree leaf index of one recorded call's inputs."""
+    from torch.utils._pytree import tree_unflatten, treespec_loads
+
+    spec = treespec_loads(meta["in_spec"])
+    args, kwargs = tree_unflatten(list(range(spec.num_leaves)), spec)
+    out: dict[str, int] = {}
+
+    def walk(key: str, v: Any) -> None:
+        if isinstance(v, int):
+            out[key] = v
+        elif isinstance(v, (tuple, list)):
+            for j, x in enumerate(v):
+                walk(f"{key}.{j}", x)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{key}.{k}", x)
+
+    for i, a in enumerate(args):
+        walk(f"arg{i}", a)
+    for k, v in kwargs.items():
+        walk(str(k), v)
+    return out
 
 
 def parallel_coords() -> dict[str, int]:
@@ -152,6 +222,7 @@ def capture_rank(
     precision: str | None = None,
     labels_shift: str | None = None,
     args: Any = None,
+    modules: ModuleRecorder | None = None,
     overwrite: bool = False,
 ) -> Path:
     """``loss``: what this rank's backward differentiated (the token-loss sum with
@@ -160,7 +231,9 @@ def capture_rank(
     padding rule, when the run padded (see ``_vocab``; ms-swift does not pad);
     ``calculate_per_token_loss``: default from the model's TransformerConfig; ``labels_shift``:
     ``pre-rolled`` / ``unshifted`` when the caller knows it (else detected from the batch, see
-    runinfo.py); ``args``: the training arguments (default Megatron-LM's ``get_args()``)."""
+    runinfo.py); ``args``: the training arguments (default Megatron-LM's ``get_args()``);
+    ``modules``: a recorder from ``record_modules``, started before the forward (its boundaries are
+    written into the bundle; see the module docstring)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}")
     c = dict(coords) if coords is not None else parallel_coords()
@@ -225,4 +298,13 @@ def capture_rank(
         w.add("inputs", {**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **packed})
         w.add("weights", {n: p.detach() for n, p in params.items()})
         w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
+        if modules is not None:
+            recorded = modules.manifest()
+            w.manifest["modules"] = recorded
+            w.manifest["megatron"]["modules"] = {
+                "selected": list(modules.names), "over_budget": list(modules.over_budget),
+                "leaves": {n: _leaf_names(m) for n, m in recorded.items() if "in_spec" in m},
+            }  # fmt: skip
+            for g, tensors in modules.groups().items():
+                w.add(g, tensors)
     return path

@@ -32,6 +32,10 @@ Labels: the hook records whether the batch's labels were pre-rolled (Megatron, m
 pre-rolled labels without a loss mask get ``loss_mask = labels != -100`` so that the replay takes
 no second shift; an ambiguous record is refused (``labels_shift`` decides).
 
+Module boundaries (hook.py ``modules=``, ``ORACLE_CAPTURE_MODULES``): decoder layers mapped onto
+the recipe's HF modules in the HF layer's call form (boundaries.py), so that ``oracle replay
+--local`` runs on the merged capture; what cannot be mapped exactly is named, never compared.
+
 Config: written from the run (hfconfig.py; for qwen3-vl the HF config the run's model holds);
 ``hf_config`` overrides and is checked against it.
 """
@@ -47,6 +51,7 @@ import torch
 from ... import recipe as recipes
 from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, MismatchError, UsageError
+from .boundaries import merge_boundaries
 from .hfconfig import hf_config as run_hf_config
 from .hfconfig import with_padded_vocab
 from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
@@ -389,6 +394,12 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     inputs, packing = packed_inputs(_inputs(chosen, info))
     inputs, labels = _labels(chosen, inputs, labels_shift)
     loss = _loss(chosen, info)
+    tokens = inputs.get("tokens", inputs.get("input_ids"))
+    seq = int(tokens.shape[-1]) if tokens is not None else int(run.get("seq_length") or 0)
+    modules, module_groups, boundaries = merge_boundaries(chosen, info, rec, inputs, bool(run.get("sequence_parallel")), seq)
+    if boundaries.get("unmapped"):
+        u = boundaries["unmapped"]
+        warnings.append(f"{len(u)} recorded module(s) not mapped for local replay, e.g. {u[0]['module']}: {u[0]['why']}")
     if unreduced:
         warnings.append(finding_text(unreduced))
     rank_vocab = meta.get("vocab") or {}
@@ -405,11 +416,15 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                                 "padding": rank_vocab.get("padding"), "how": rank_vocab.get("how")},
                       "config": {**heads.as_config(), **run}, "mapping": mapping, "packing": packing,
                       "labels": labels, "numerics": meta.get("numerics"), "seq_lengths": meta.get("seq_lengths"),
-                      "unreduced": unreduced, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
+                      "unreduced": unreduced, "boundaries": boundaries, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
         )  # fmt: skip
         w.add("inputs", inputs)
         w.add("weights", weights)
         w.add("grads", grads)
         if framework:
             w.add("framework_grads", framework)
+        if modules:
+            w.manifest["modules"] = modules
+            for g, tensors in module_groups.items():
+                w.add(g, tensors)
     return Path(out)

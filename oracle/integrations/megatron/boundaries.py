@@ -1,0 +1,198 @@
+"""Module boundaries recorded on Megatron ranks (hook.py ``modules=``) -> the Hugging Face modules
+the recipe's replay runs, so that ``oracle replay --local`` replays them teacher-forced.
+
+Which modules map: the recipe's ``megatron_modules`` table (mcore module template -> HF module, e.g.
+``language_model.decoder.layers.{i}`` -> ``model.language_model.layers.{i}``, ``{i}`` made global
+by the pipeline stage's layer offset) for mcore TransformerLayers, whose call the recipe rebuilds
+in the HF layer's form (``Recipe.megatron_layer_call``). The boundary is the same function on both
+sides: mcore's layer is input norm (fused into linear_qkv under TE / MindSpeed, a module of its own
+in the local spec), attention with the rotary embedding applied inside, residual, pre-MLP norm,
+MLP, residual; so is the HF layer. Qwen3-VL's deepstack features are added after the layer on
+both sides (ms-swift's patched TransformerBlock, transformers' ``_deepstack_process``): the next
+layer's recorded input holds them.
+
+Per mapped layer, from the ranks of its stage (TP rank order):
+  hidden_states, output, grad_output, grad_input: mcore holds them [s, b, h]; under sequence
+      parallel each TP rank holds its s/TP rows (concatenated along s in TP-rank order), else
+      every TP rank holds all of them (rank 0's copy, the others checked equal). Then [b, s, h].
+  rotary_pos_emb: the angles freqs [s, b or 1, 1, d] the layer received (full length on every TP
+      rank); the HF layer takes position_embeddings = (cos, sin) [b, s, d] computed from them in
+      float64 and rounded to the hidden states' dtype (what mcore's apply_rotary_pos_emb and HF's
+      rotary embedding both hand the attention: ``cos(freqs).to(x.dtype)``; attention scaling 1).
+  attention_mask: must be the mask the merged step implies (causal, block-diagonal per packed
+      sample of the merged ``cu_seqlens``; True = masked); another mask is refused for that layer.
+      The HF call gets None (causal) for an unpacked step, else that mask as a (B, 1, T, T) bool
+      tensor, True = attends (what transformers' sdpa takes; local replay runs sdpa).
+  parameter gradients: the merged ``grads`` (merge.py: TP shards merged, SP partial sums summed).
+What cannot be mapped exactly is not mapped, and ``megatron.boundaries.unmapped`` says why (a
+module the recipe has no template or call for, rotary cos/sin passed precomputed, cross-attention
+context, an attention bias, a mask that is not the step's, post-finalize bundles whose parameter
+gradients were divided by the token count while the boundaries were not, a partial record).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, treespec_dumps
+
+from ...capture.modules import JSONABLE, group_name
+from ...errors import RecipeError
+from .names import NameMap, strip_wrappers
+
+AGREEMENT = 1e-6  # TP copies of a replicated boundary tensor must agree to this (relative L2)
+_UNSUPPORTED = ("context", "context_mask", "attention_bias", "rotary_pos_cos", "rotary_pos_sin")
+_LAYER = re.compile(r"(decoder\.layers\.)(\d+)$")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-300))
+
+
+def _step_mask(inputs: dict[str, torch.Tensor], b: int, t: int) -> torch.Tensor:
+    """(B, 1, T, T) True = masked: causal within each sample of the merged ``cu_seqlens`` (one per row without)."""
+    cu = inputs.get("cu_seqlens")
+    sample = torch.zeros(b * t, dtype=torch.int64)
+    if cu is not None:
+        for k, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            sample[s:e] = k
+    else:
+        sample = torch.arange(b).repeat_interleave(t)
+    sample = sample.view(b, t)
+    same = sample[:, :, None] == sample[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return ~(same & causal)[:, None]
+
+
+class _Unmapped(Exception):
+    pass
+
+
+def _gather(ranks: list, group: str, key: str, sp: bool, what: str) -> torch.Tensor:
+    shards = [b.load(group, key) for b in ranks]
+    if sp and len(shards) > 1:
+        return torch.cat(shards, 0)  # [s/TP, b, h] per rank, TP-rank order along s
+    for r, t in enumerate(shards[1:], 1):
+        if t.shape != shards[0].shape or _rel(t, shards[0]) > AGREEMENT:
+            raise _Unmapped(f"{what}: TP rank {r}'s copy differs from rank 0's without sequence parallel")
+    return shards[0]
+
+
+def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Tensor], recipe, seq: int) -> tuple[dict, dict]:
+    m0 = ranks[0].manifest
+    meta = m0["modules"][name]
+    leaves = ((m0["megatron"].get("modules") or {}).get("leaves") or {}).get(name)
+    if not leaves:
+        raise _Unmapped("the rank bundle names no input leaves for it (capture_rank(modules=) writes them)")
+    group = group_name(name)
+    stored = [set(b.names(group)) for b in ranks]
+    for key in _UNSUPPORTED:
+        if key in leaves and f"in.{leaves[key]}" in stored[0]:
+            raise _Unmapped(f"the layer was called with a {key} tensor, which the HF layer's call has no place for")
+    if "hidden_states" not in leaves:
+        raise _Unmapped("no hidden_states input recorded")
+    h, r = leaves["hidden_states"], leaves.get("rotary_pos_emb")
+    need = [f"in.{h}", "out.0", "gout.0"]
+    for rank, have in enumerate(stored):
+        miss = [k for k in need if k not in have]
+        if miss:
+            raise _Unmapped(f"TP rank {rank} recorded no {', '.join(miss)} for it (over the capture budget, or not called)")
+    x = _gather(ranks, group, f"in.{h}", sp, "hidden_states")
+    y = _gather(ranks, group, "out.0", sp, "output")
+    gy = _gather(ranks, group, "gout.0", sp, "grad_output")
+    gx = _gather(ranks, group, f"gin.{h}", sp, "grad_input") if all(f"gin.{h}" in s for s in stored) else None
+    if x.dim() != 3 or x.shape[0] != seq:
+        raise _Unmapped(f"hidden_states of shape {tuple(x.shape)} is not [s={seq}, b, h] after merging the TP ranks")
+    x, y, gy = (t.transpose(0, 1).contiguous() for t in (x, y, gy))  # [s, b, h] -> [b, s, h]
+    gx = None if gx is None else gx.transpose(0, 1).contiguous()
+    b = x.shape[0]
+    if r is None or f"in.{r}" not in stored[0]:
+        raise _Unmapped("the layer received no rotary_pos_emb tensor; its position embeddings cannot be rebuilt")
+    freqs = ranks[0].load(group, f"in.{r}")  # [s, b or 1, 1, d]
+    if freqs.dim() != 4 or freqs.shape[0] != seq or freqs.shape[2] != 1:
+        raise _Unmapped(f"rotary_pos_emb of shape {tuple(freqs.shape)} is not [s={seq}, b, 1, d]")
+    f = freqs.double()[:, :, 0].transpose(0, 1).expand(b, -1, -1)  # [b, s, d]
+    cos, sin = (torch.cos(f).to(x.dtype).contiguous(), torch.sin(f).to(x.dtype).contiguous())
+    m = leaves.get("attention_mask")
+    if m is not None and f"in.{m}" in stored[0]:
+        mask = ranks[0].load(group, f"in.{m}")
+        want = _step_mask(inputs, b, seq)
+        if mask.dtype != torch.bool or mask.shape[-2:] != want.shape[-2:] or not torch.equal(mask.expand_as(want), want):
+            raise _Unmapped("its attention_mask is not the causal per-sample mask of the merged step, which the "
+                            "replay's attention applies; a layer that ran with another mask is not replayed as this one")  # fmt: skip
+    allowed = None if inputs.get("cu_seqlens") is None else ~_step_mask(inputs, b, seq)  # packed: per-sample causal
+    try:
+        args, kwargs = recipe.megatron_layer_call(x, (cos, sin), inputs, allowed)
+    except NotImplementedError:
+        raise _Unmapped(f"recipe {recipe.name!r} builds no HF call for a decoder layer (megatron_layer_call)") from None
+    flat, spec = tree_flatten((args, kwargs))
+    hidx = next(i for i, v in enumerate(flat) if v is x)
+    tensors = {f"in.{i}": v for i, v in enumerate(flat) if isinstance(v, torch.Tensor)}
+    tensors.update({"out.0": y, "gout.0": gy})
+    if gx is not None:
+        tensors[f"gin.{hidx}"] = gx
+    entry = {
+        "calls": meta.get("calls", 1), "order": meta.get("order"), "in_spec": treespec_dumps(spec),
+        "in_static": {str(i): v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor) and isinstance(v, JSONABLE)},
+        "grad_in": [hidx] if gx is not None else [], "grad_out": [0],
+        "megatron": {"module": name, "call": "decoder_layer", "sequence_parallel_concat": bool(sp and len(ranks) > 1)},
+    }  # fmt: skip
+    for k in ("no_grad_calls", "recomputed_calls"):
+        if k in meta:
+            entry[k] = meta[k]
+    return entry, tensors
+
+
+def merge_boundaries(
+    chosen: dict, info: dict, recipe, inputs: dict[str, torch.Tensor], sp: bool, seq: int
+) -> tuple[dict, dict, dict]:
+    """-> (``manifest["modules"]`` under HF names, ``{group: tensors}``, the record for ``megatron.boundaries``)."""
+    d0, tp, pp = info["dps"][0], info["tp"], info["pp"]
+    recorded = [chosen[d0, p, t].manifest.get("modules") or {} for p in range(pp) for t in range(tp)]
+    if not any(recorded):
+        return {}, {}, {}
+    record: dict[str, Any] = {"mapped": {}, "unmapped": []}
+    if info["stage"] != "pre-finalize":
+        record["unmapped"] = [{"module": n, "why": "boundaries are merged from pre-finalize bundles only: after finalize "
+                               "the parameter gradients are reduced and divided by the token count, the recorded "
+                               "grad_outputs are not (merge DIR/pre for local replay)"} for n in sorted(recorded[0])]  # fmt: skip
+        return {}, {}, record
+    table = getattr(recipe, "megatron_modules", None) or {}
+    names = NameMap(table) if table else None
+    modules: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
+    order_base = 0
+    for p in range(pp):
+        ranks = [chosen[d0, p, t] for t in range(tp)]
+        here = [set(b.manifest.get("modules") or {}) for b in ranks]
+        offset = int(ranks[0].manifest["megatron"].get("layer_offset") or 0)
+        local_orders = []
+        first = ranks[0].manifest.get("modules") or {}
+        for name in sorted(set().union(*here), key=lambda n: (first.get(n, {}).get("order") or 0, n)):
+            local = strip_wrappers(name)
+            gname = _LAYER.sub(lambda m, o=offset: f"{m[1]}{int(m[2]) + o}", local) if offset else local
+            try:
+                if any(name not in s for s in here):
+                    raise _Unmapped(f"recorded on some TP ranks of stage {p} only")
+                if names is None:
+                    raise _Unmapped(f"recipe {recipe.name!r} has no megatron_modules table")
+                try:
+                    hf = names.to_hf(gname)[0]
+                except RecipeError:
+                    raise _Unmapped(f"recipe {recipe.name!r} maps no HF module to it (megatron_modules)") from None
+                if not _LAYER.search(gname):
+                    raise _Unmapped("only decoder layers (TransformerLayer) are mapped onto HF modules")
+                entry, tensors = _layer(name, hf, ranks, sp, inputs, recipe, seq)
+            except _Unmapped as e:
+                record["unmapped"].append({"module": gname, "why": str(e)})
+                continue
+            if entry.get("order") is not None:
+                local_orders.append(entry["order"])
+                entry["order"] += order_base
+            modules[hf] = entry
+            groups[group_name(hf)] = tensors
+            record["mapped"][hf] = gname
+        order_base += (max(local_orders) + 1) if local_orders else 0
+    return modules, groups, record

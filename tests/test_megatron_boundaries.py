@@ -1,0 +1,88 @@
+"""Module boundaries of a real megatron-core 0.12.1 step (tests/megatron_peer.py, CPU, gloo), recorded
+with ``capture_rank(modules=record_modules(model, "layers"))``, merged onto transformers' Qwen3
+decoder layers (oracle/integrations/megatron/boundaries.py) and replayed locally: honest layers
+within their band at TP 1, TP 2 + SP (each rank's s/TP rows concatenated) and packed; a gradient
+scaled in one MLP found at that layer."""
+
+import pytest
+import torch
+from megatron_peer import run_peer
+from torch import nn
+
+from oracle.bundle.store import Bundle
+from oracle.integrations.megatron.hook import module_selection
+from oracle.integrations.megatron.merge import merge_ranks
+from oracle.replay.local import replay_local
+from oracle.score.local import score_local
+
+LAYERS = ["model.layers.0", "model.layers.1"]
+RUNS = {"tp1": {"tp": 1, "sp": False}, "tp2sp": {"tp": 2, "sp": True}, "packed": {"tp": 1, "sp": False, "packed": True},
+        "fault": {"tp": 2, "sp": True, "fault": (1, 1.01)}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (merged capture, local score)."""
+    root = tmp_path_factory.mktemp("megatron-boundaries")
+    out = {}
+    for i, (name, opts) in enumerate(RUNS.items()):
+        run_peer(str(root / name), port=29800 + 7 * i, vocab=200, divisible_by=128, modules="layers", **opts)
+        cap = merge_ranks([root / name / "pre"], root / f"{name}.cap", recipe="qwen3")
+        out[name] = (str(cap), score_local(replay_local(cap, root / f"{name}.local")))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp1", "tp2sp", "packed"])
+def test_honest_layers_are_within_their_local_band(runs, name):
+    """Every decoder layer mapped (packed: the per-sample mask of the run is the step's), each within
+    the error an honest fp32 run makes in it alone; no culprit."""
+    cap, s = runs[name]
+    assert sorted(Bundle(cap).get("modules")) == LAYERS and Bundle(cap).get("megatron")["boundaries"]["unmapped"] == []
+    assert s["culprits"] == [] and all(r["ratio"] < 1.0 for r in s["modules"]), [(r["module"], r["ratio"]) for r in s["modules"]]
+
+
+def test_sequence_parallel_shards_concatenate_in_order(runs):
+    """TP 2 + SP: each rank held s/2 rows; concatenated in TP-rank order and put [b, s, h], layer 0's
+    input is the embedding of the batch's tokens, bitwise, and layer 1's input is layer 0's output
+    (a wrong order or layout would not be)."""
+    cap = Bundle(runs["tp2sp"][0])
+    assert all(cap.get("modules")[m]["megatron"]["sequence_parallel_concat"] for m in LAYERS)
+    emb = cap.load("weights", "model.embed_tokens.weight")[cap.load("inputs", "tokens")]  # (1, s, h)
+    x0 = cap.load("mod.model.layers.0", "in.0")
+    assert x0.shape == emb.shape and torch.equal(x0, emb)
+    assert torch.equal(cap.load("mod.model.layers.1", "in.0"), cap.load("mod.model.layers.0", "out.0"))
+    assert cap.load("mod.model.layers.0", "gin.0").shape == x0.shape
+
+
+def test_a_gradient_scaled_in_one_mlp_is_found_at_that_layer(runs):
+    """Layer 1's MLP gradient x 1.01 (TP 2 + SP): layer 1 is the culprit (backward), layer 0 only
+    inherits the error."""
+    _, s = runs["fault"]
+    rows = {r["module"]: r for r in s["modules"]}
+    assert s["culprits"] == ["model.layers.1"] and s["verdict"]["direction"] == "backward"
+    assert rows["model.layers.1"]["ratio"] > 1000 and rows["model.layers.1"]["inherited"] < 1e-5
+    assert not rows["model.layers.0"]["beyond"] and rows["model.layers.0"]["inherited"] > 1e-4
+
+
+def test_module_selection_presets_regexes_and_errors():
+    """``layers`` selects mcore decoder layers under any wrapper prefix; a regex selects by name;
+    an invalid regex or a selection matching nothing is a ValueError naming the choices."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Module()
+            self.module.decoder = Block()
+
+    m = Chunk()
+    assert module_selection(m, "layers") == ["module.decoder.layers.0", "module.decoder.layers.1"]
+    assert module_selection(m, r"layers\.1$") == ["module.decoder.layers.1"]
+    with pytest.raises(ValueError, match="neither a preset"):
+        module_selection(m, "layers(")
+    with pytest.raises(ValueError, match="matches no module"):
+        module_selection(m, "vision")
