@@ -122,3 +122,29 @@ def test_emulated_replays_keep_their_layers_whole(fp32_capture, tmp_path, chunk_
     """An emulated replay's attention is the fused sdpa (not the oracle kernel): its layers run unchunked."""
     replay(fp32_capture, tmp_path / "e", dtype="amp-bf16", max_memory=8 << 30, token_chunk=16)
     assert chunk_calls == []
+
+
+def test_a_crashed_chunked_replay_resumes_bitwise(packed_text, tmp_path, small_grid, monkeypatch):
+    """The run dies after two units' backward (row-chunked layers, 16-row chunks); the same call resumes
+    from the journal and ends bitwise identical to an uninterrupted run."""
+    from oracle.replay.streaming import engine
+
+    _, cap = packed_text
+    whole = replay(cap, tmp_path / "whole", max_memory=8 << 30, token_chunk=16)
+    original, written = engine._Journal.write_unit, []
+
+    def dies(self, unit, grads):
+        original(self, unit, grads)
+        written.append(unit)
+        if len(written) == 2:
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(engine._Journal, "write_unit", dies)
+    with pytest.raises(KeyboardInterrupt):
+        replay(cap, tmp_path / "o", max_memory=8 << 30, token_chunk=16)
+    monkeypatch.setattr(engine._Journal, "write_unit", original)
+    out = replay(cap, tmp_path / "o", max_memory=8 << 30, token_chunk=16)
+    assert Bundle(out).get("streaming")["resumed"]
+    a, b = _grads(whole), _grads(out)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+    assert Bundle(out).get("backward_order") == Bundle(whole).get("backward_order")
