@@ -29,6 +29,10 @@ The constants were measured on a Qwen3 decoder layer in float64 (hidden 1024, 8 
 heads, MLP 3072 and 6144, 4096 and 8192 tokens, chunk 512): the peak RSS of its recomputation and
 backward minus the parameters' gradients is 15.3-16.2 x n x w x 8 B plus 6 x chunk x i x 8 B.
 
+The row-chunked layer's terms are counted, not fitted: on Qwen3-VL-8B's shapes (2 decoder layers,
+the ViT and head, 2048 tokens, `benchmarks/user_step.py cut` and `benchmarks/rss_trace.py`) the
+estimate was 0.96x of the measured peak, reached in a decoder layer's backward.
+
 The reserve a run needs besides its boundary activations is the largest of these, plus the process
 itself (its resident set after the model skeleton and the resident parameters). A budget below that
 is refused, by the run and by the dry run alike, with the size that would do.
