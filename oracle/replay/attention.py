@@ -41,7 +41,8 @@ Sample boundaries of a packed text sequence come from, in order: ``cu_seq_lens_q
 ``cu_seqlens`` keyword arguments; the ``packed(cu_seqlens)`` context (causal calls only: the
 ViT's per-image calls are not causal and never take it); the ``position_ids`` keyword
 (2-D text positions) by transformers' own rule (a new sample starts where a position is not
-the previous one plus 1), the rule its mask builder uses to detect packing.
+the previous one plus 1), the rule its mask builder uses to detect packing. Inside ``rows_call(fn)``
+causal calls go to ``fn`` instead (a decoder layer run by row chunks, streaming/layers.py).
 """
 
 from __future__ import annotations
