@@ -4,10 +4,12 @@
 
 Runs ``oracle replay CAPTURE --out OUT --max-memory SIZE`` in this process (with huge pages, as the
 command line does, unless ``--pages 4k``) while a thread samples /proc/self/statm every 5 ms and
-notes the phase (and the file-backed part of the resident set): each unit's forward and backward, the head's vocabulary chunks, the final write.
-Prints the peak RSS of each phase (the top 8), the overall sampled peak and ru_maxrss (the kernel's
-high-water mark, what the benchmarks report). A gap between those two is a spike shorter than the
-sampling period, or memory the kernel counted that the sampler could not see.
+notes the phase (and the file-backed part of the resident set): each unit's forward and backward,
+the head's vocabulary chunks, the final write. Prints the peak RSS of each phase (the top 8), the
+overall sampled peak, ru_maxrss and VmHWM (the
+kernel's high-water marks; ru_maxrss also carries the RSS of the process that started this one, so
+run this from a shell, not from a process holding memory). A gap between the sampled peak and VmHWM
+is a spike shorter than the sampling period.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def main() -> None:
     G = 2**30
     top = sorted(peaks.items(), key=lambda kv: -kv[1])[:8]
     print(f"pages {pages}: {time.perf_counter() - t0:.0f} s; sampled peak {max(peaks.values()) / G:.2f} GiB, "
-          f"ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / G:.2f} GiB")  # fmt: skip
+          f"ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / G:.2f} GiB, "
+          f"VmHWM {engine.max_rss_bytes() / G:.2f} GiB")  # fmt: skip
     for p, v in top:
         print(f"  {v / G:6.2f} GiB (file-backed {files[p] / G:.2f})  {p}")
 

@@ -574,6 +574,18 @@ def rss_bytes() -> int:
 
 
 def max_rss_bytes() -> int:
+    """This process's peak resident set since it started its program: ``VmHWM`` of /proc/self/status.
+    Not ``ru_maxrss``: Linux carries a parent's resident set at fork into the child's ru_maxrss
+    across exec, so a replay started by a process holding 6 GiB reported a 6 GiB peak whatever it
+    held itself (measured: benchmarks/user_step.py's child, 6.02 GiB ru_maxrss, 5.15 GiB VmHWM).
+    ru_maxrss only where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
