@@ -6,7 +6,7 @@
     python benchmarks/streaming.py e            # capture overhead: step time and bundle size
     options: --dir DIR (bundles; default a temporary directory), --tokens N, --layers N
 
-Every replay runs in its own process (peak RSS is that process's ru_maxrss), one after the other;
+Every replay runs in its own process (peak RSS is that process's VmHWM, engine.max_rss_bytes), one after the other;
 this machine is shared and noisy, so the printed results are ratios of runs made in one go, next to
 their targets. Weights are random (seeded), rounded to bfloat16 and written straight into a capture
 bundle: no device step is needed to replay.
@@ -88,7 +88,8 @@ def run(args: list[str], env_threads: int | None = None) -> dict:
     code = (
         "from oracle.replay.streaming.pages import ensure\nensure()\n"  # as the command line does: huge pages when streamed
         "import resource, sys, time, cli\nt = time.perf_counter()\nrc = cli.app(sys.argv[1:], standalone_mode=False)\n"
-        "print('@@', time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\nsys.exit(rc or 0)"
+        "from oracle.replay.streaming.engine import max_rss_bytes\n"  # VmHWM: ru_maxrss carries this parent's RSS
+        "print('@@', time.perf_counter() - t, max_rss_bytes())\nsys.exit(rc or 0)"
     )
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -115,7 +116,8 @@ loss, _ = causal_lm_loss(model(input_ids=ids, position_ids=pos).logits, labels, 
 loss.backward()
 secs = time.perf_counter() - t
 torch.save({"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}, sys.argv[2])
-print("@@", secs, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+from oracle.replay.streaming.engine import max_rss_bytes  # VmHWM: ru_maxrss carries the parent's RSS
+print("@@", secs, max_rss_bytes())
 """
 
 

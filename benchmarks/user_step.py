@@ -9,7 +9,7 @@ plan  writes a capture with Qwen3-VL-8B's shapes whose weights file is sparse (a
       in a child process: does it fit, peak memory, disk while running (target < 200 GiB).
 cut   writes a capture with seeded random bf16 weights (2 decoder layers: 2.2 B parameters, 4.4 GB) and
       runs the dry run and the streamed float64 replay at ``--max-memory 16G``, each in its own process:
-      measured peak RSS (ru_maxrss) vs the dry run's estimate (target within 10 %), bytes written vs
+      measured peak RSS (the child's VmHWM: its ru_maxrss would carry this script's own RSS) vs the dry run's estimate (target within 10 %), bytes written vs
       estimated, wall time; then extrapolates by the dry run's FLOP counts to 36 layers at 65536 tokens,
       here (at the FLOP rate the run reached) and on one 64-core server (this machine's float64 GEMM
       probe per core x 64, at the same fraction of the probe).
@@ -159,7 +159,7 @@ def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None) -> None:
     s = run(["replay", str(cap), "--out", str(d / "cut-oracle"), "--max-memory", "16G", "--overwrite"])
     st = Bundle(d / "cut-oracle").get("streaming")
     est, peak = p["memory"]["peak_estimate"], s["peak_rss"]
-    print(f"   streamed: {s['seconds']:.0f} s wall, peak RSS {peak / G:.2f} GiB (budget held: {peak <= BUDGET}); "
+    print(f"   streamed: {s['seconds']:.0f} s wall, peak RSS (VmHWM) {peak / G:.2f} GiB (budget held: {peak <= BUDGET}); "
           f"dry-run estimate {est / G:.2f} GiB = {est / peak:.2f}x of measured (target 0.9-1.1x)")  # fmt: skip
     print(f"   disk: written {st['disk_written'] / G:.2f} GiB, estimated {p['disk']['written'] / G:.2f} GiB = "
           f"{p['disk']['written'] / st['disk_written']:.2f}x (target 0.9-1.1x)")  # fmt: skip

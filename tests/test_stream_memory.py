@@ -128,3 +128,22 @@ def test_token_chunked_jittered_members_repeat_and_stay_honest(fp32_capture, ora
     t = Bundle(oracle_bundle).load("grads", n)
     rel = float((ga[n].double() - t).norm() / t.norm())
     assert 1e-4 < rel < 1e-1, rel
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc")
+def test_the_recorded_peak_is_the_replays_own_not_its_parents():
+    """A child started by a process holding 1 GiB: its ru_maxrss carries that GiB (Linux keeps the
+    forked image's high-water mark across exec), the peak the replay records (VmHWM) does not."""
+    import resource
+    import subprocess
+    import sys
+
+    held = torch.ones(2**27, dtype=torch.float64)  # 1 GiB, touched
+    code = ("import resource\nfrom oracle.replay.streaming.engine import max_rss_bytes\n"
+            "print(max_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       cwd=Path(__file__).parent.parent, preexec_fn=lambda: None)  # fmt: skip  # fork + exec
+    own, inherited = map(int, r.stdout.split())
+    assert held.sum() == 2**27
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= 2**30
+    assert inherited >= 2**30 > own, (own, inherited)

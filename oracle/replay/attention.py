@@ -41,7 +41,8 @@ Sample boundaries of a packed text sequence come from, in order: ``cu_seq_lens_q
 ``cu_seqlens`` keyword arguments; the ``packed(cu_seqlens)`` context (causal calls only: the
 ViT's per-image calls are not causal and never take it); the ``position_ids`` keyword
 (2-D text positions) by transformers' own rule (a new sample starts where a position is not
-the previous one plus 1), the rule its mask builder uses to detect packing.
+the previous one plus 1), the rule its mask builder uses to detect packing. Inside ``rows_call(fn)``
+causal calls go to ``fn`` instead (a decoder layer run by row chunks, streaming/layers.py).
 """
 
 from __future__ import annotations
@@ -145,19 +146,22 @@ def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
     return _ungrouped(out), lse  # (B, H, T, Dv), (B, Hkv, T, g)
 
 
-def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0):
-    """``q0`` as in _forward: dq for q's rows, dk and dv for all S keys (these rows' share of them)."""
+def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0, dk=None, dv=None):
+    """``q0`` as in _forward: dq for q's rows, dk and dv for all S keys (these rows' share of them).
+    ``dk``, ``dv`` (the shape of k, v): accumulators the share is added into (new zeros when None).
+    Query chunks are visited last to first, so a key's gradient is summed from its latest query
+    chunk down: the order a caller visiting row chunks last to first (streaming/layers.py) repeats."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
     qg, dog = _grouped(q, Hkv) * scale, _grouped(dout, Hkv)  # (B, Hkv, T, g, D); q * scale as in the forward
     delta = (dog * _grouped(out, Hkv)).sum(-1)  # (B, Hkv, T, g): rowsum(dO * O)
     dq = torch.zeros_like(qg)
-    dk = torch.zeros_like(k)  # dS^T (q * scale): already scaled
-    dv = torch.zeros_like(v)
+    dk = torch.zeros_like(k) if dk is None else dk  # dS^T (q * scale): already scaled
+    dv = torch.zeros_like(v) if dv is None else dv
     rows = None if q0 == 0 and T == S else (q0, q0 + T)
     for seg in _segments(cu, causal, S if rows else T, S):
-        for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
+        for i0, i1, ks in reversed(list(_blocks(seg, causal, cq, ck, rows))):
             n, a, b = (i1 - i0) * g, i0 - q0, i1 - q0
             qi, doi = qg[:, :, a:b].reshape(B, Hkv, n, D), dog[:, :, a:b].reshape(B, Hkv, n, -1)  # (B, Hkv, tq*g, D)
             li, di = lse[:, :, a:b].reshape(B, Hkv, n, 1), delta[:, :, a:b].reshape(B, Hkv, n, 1)
@@ -254,6 +258,24 @@ def packed(cu_seqlens: torch.Tensor | Sequence[int]):
         _state.cu = prev
 
 
+@contextlib.contextmanager
+def rows_call(fn):
+    """Within this block, causal calls of the registered attention go to ``fn(query, key, value,
+    scale, chunk) -> (B, H, t, Dv)`` (a decoder layer run by row chunks, streaming/layers.py, which
+    knows the chunk's rows and the whole sequence's keys); the mask checks above still apply."""
+    prev = getattr(_state, "rows", None)
+    _state.rows = fn
+    try:
+        yield
+    finally:
+        _state.rows = prev
+
+
+def softmax_scale(query: torch.Tensor, scaling) -> float:
+    """The softmax scale: ``scaling``, or head_dim^-1/2 (chunked_attention's default)."""
+    return query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+
+
 def packed_from_position_ids(position_ids: torch.Tensor) -> list[int] | None:
     """Sample boundaries of a (1, T) text position row by transformers' rule (a sample starts
     where a position is not the previous plus one); None when it is a single sample."""
@@ -300,8 +322,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         if kwargs.get(unsupported) is not None:
             raise AttentionLayoutError(f"{NAME} does not implement {unsupported}={kwargs[unsupported]!r}")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    cu = _boundaries(query, causal, kwargs)
     chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
+    rows = getattr(_state, "rows", None)
+    if rows is not None and causal:  # a decoder layer run by row chunks (streaming/layers.py) takes the call
+        return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
+    cu = _boundaries(query, causal, kwargs)
     out = chunked_attention(query, key, value, causal=causal, cu_seqlens=cu, scale=scaling, chunk_q=chunk, chunk_k=chunk)
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 

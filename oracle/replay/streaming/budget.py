@@ -6,7 +6,14 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
 
     weights_u    its parameters, materialised for its forward and again for its recomputation
     grads_u      their gradients (the same size), held until the unit's shard is written
-    working_u    its recomputation's autograd working set:
+    working_u    its recomputation's autograd working set. A decoder layer run by row chunks of
+                 c rows (layers.py: float64 oracles; c = min(n, max(chunk, attention chunk))), with
+                 key/value width kv (k_proj's plus v_proj's outputs):
+                 LAYER_WHOLE x n x w                (its input, the arriving output gradient, dx)
+               + LAYER_KV x n x kv / 2              (K, V and their gradients dK, dV, whole sequence)
+               + WORKING_PER_TOKEN x c x w          (one chunk's graph: norms, q/k/v, rotary, o_proj,
+               + MLP_PER_TOKEN x c x i               residuals, the MLP; and their gradients)
+                 Any other unit (the ViT's blocks, emulated replays' layers), n rows at once:
                  WORKING_PER_TOKEN x n x w          (norms, q/k/v and their norms, rotary, attention,
                                                      o_proj, residuals, and their gradients)
                + MLP_PER_TOKEN x min(n, chunk) x i  (the MLP's gate, up, activation, product, and
@@ -21,6 +28,10 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
 The constants were measured on a Qwen3 decoder layer in float64 (hidden 1024, 8 heads of 128, 2 KV
 heads, MLP 3072 and 6144, 4096 and 8192 tokens, chunk 512): the peak RSS of its recomputation and
 backward minus the parameters' gradients is 15.3-16.2 x n x w x 8 B plus 6 x chunk x i x 8 B.
+
+The row-chunked layer's terms are counted, not fitted: on Qwen3-VL-8B's shapes (2 decoder layers,
+the ViT and head, 2048 tokens, `benchmarks/user_step.py cut` and `benchmarks/rss_trace.py`) the
+estimate was 0.96x of the measured peak, reached in a decoder layer's backward.
 
 The reserve a run needs besides its boundary activations is the largest of these, plus the process
 itself (its resident set after the model skeleton and the resident parameters). A budget below that
@@ -37,14 +48,18 @@ from torch import nn
 WORKING_PER_TOKEN = 16
 MLP_PER_TOKEN = 6
 HEAD_LOGIT_BLOCKS = 4
+LAYER_WHOLE = 3
+LAYER_KV = 4
 
 
 def _linears(mod: nn.Module) -> list[nn.Linear]:
     return [m for m in mod.modules() if isinstance(m, nn.Linear)]
 
 
-def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked: bool) -> dict[str, int]:
-    """Bytes unit ``mod`` needs while it is recomputed and backpropagated (the split above)."""
+def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked: bool,
+              layer_chunk: int | None = None) -> dict[str, int]:  # fmt: skip
+    """Bytes unit ``mod`` needs while it is recomputed and backpropagated (the split above);
+    ``layer_chunk``: the rows per chunk where ``mod`` is a decoder layer run by row chunks, else None."""
     weights = sum(p.numel() for p in mod.parameters()) * size
     if isinstance(mod, nn.Embedding):
         from .embedding import CHUNK as ROWS
@@ -60,6 +75,13 @@ def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked
         }
     w = lin[0].in_features
     i = max(m.out_features for m in lin)
+    if layer_chunk and tokens > layer_chunk:
+        from ..attention import CHUNK as GRID
+
+        c = min(tokens, max(layer_chunk, GRID))
+        kv = sum(m.out_features for n, m in mod.named_modules() if n.endswith(("k_proj", "v_proj")))
+        working = LAYER_WHOLE * tokens * w + LAYER_KV * tokens * kv // 2 + WORKING_PER_TOKEN * c * w + MLP_PER_TOKEN * c * i
+        return {"weights": weights, "grads": weights, "working": working * size}
     rows = min(tokens, chunk) if chunked and chunk else tokens
     return {"weights": weights, "grads": weights, "working": (WORKING_PER_TOKEN * tokens * w + MLP_PER_TOKEN * rows * i) * size}
 
@@ -72,14 +94,16 @@ def head_need(vocab: int, hidden: int, loss_tokens: int, size: int) -> int:
 
 
 def reserve(model: nn.Module, units: list[str], chunked: list[str], *, text_tokens: int, patches: int, loss_tokens: int,
-            size: int, chunk: int | None, head: str | None) -> dict[str, Any]:  # fmt: skip
-    """The largest need over the units and the head: {"bytes", "by": the unit it comes from, "needs"}."""
+            size: int, chunk: int | None, head: str | None, rows: list[str] = (),
+            layer_chunk: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The largest need over the units and the head: {"bytes", "by": the unit it comes from, "needs"};
+    ``rows``: the units run by row chunks of ``layer_chunk`` (layers.py)."""
     needs = {}
     for u in units:
         mod = model.get_submodule(u)
         tokens = patches if "visual" in u else text_tokens
         has_chunked = any(c.startswith(u + ".") for c in chunked)
-        needs[u] = sum(unit_need(mod, tokens, size, chunk, has_chunked).values())
+        needs[u] = sum(unit_need(mod, tokens, size, chunk, has_chunked, layer_chunk if u in rows else None).values())
     if head:
         w = model.get_submodule(head).weight
         needs[head] = head_need(w.shape[0], w.shape[1], loss_tokens, size)
@@ -103,13 +127,18 @@ def tensor_counts(cap_inputs: dict[str, dict]) -> tuple[int, int]:
     return T, P
 
 
-def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int | None = None) -> dict[str, Any]:
+def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int | None = None, *,
+         oracle: bool = True) -> dict[str, Any]:  # fmt: skip
     """The reserve of a streamed replay of ``cap`` (a Bundle) on ``model`` (its skeleton): the largest
-    unit's or the head's need, named; what ``replay --max-memory`` and ``--dry-run`` both check."""
+    unit's or the head's need, named; what ``replay --max-memory`` and ``--dry-run`` both check.
+    ``oracle``: a float64 oracle replay (its decoder layers run by row chunks); False: an emulation."""
     from .engine import partition, token_chunked
+    from .layers import CHUNK as LAYER_CHUNK
+    from .layers import is_decoder_layer
     from .tokens import CHUNK
 
     units, _, head, resident = partition(model, recipe)
+    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle else []
     tensors = cap.manifest["tensors"].get("inputs", {})
     T, P = tensor_counts(tensors)
     n_loss = 0
@@ -117,7 +146,8 @@ def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int |
         n_loss = int((cap.load("inputs", "labels") != -100).sum())
     size = torch.empty((), dtype=compute).element_size()
     out = reserve(model, units, token_chunked(model, recipe, units), text_tokens=T, patches=P, loss_tokens=n_loss,
-                  size=size, chunk=token_chunk or CHUNK, head=head)  # fmt: skip
+                  size=size, chunk=token_chunk or CHUNK, head=head, rows=rows,
+                  layer_chunk=min(token_chunk or CHUNK, LAYER_CHUNK))  # fmt: skip
     out["resident"] = sum(model.get_parameter(n).numel() for n in resident) * size
     out["units"] = units
     return out

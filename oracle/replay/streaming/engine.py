@@ -11,8 +11,9 @@ forward   each unit call is one autograd node (``_UnitCall``). Its float64 weigh
           (residual glue, deepstack additions, the final norm, rotary tables) is ordinary autograd.
 head/loss the head and loss run by vocabulary chunks (oracle/replay/headloss.py): the head weight is
           read from the capture by chunks and its gradient written by chunks (head.py); a token
-          embedding holds only the rows the step used (embedding.py); per-token submodules (the
-          recipe's MLPs) run by token chunks inside a unit (tokens.py).
+          embedding holds only the rows the step used (embedding.py); a decoder layer runs by row
+          chunks against its whole sequence's keys and values (layers.py; float64 oracles), other
+          per-token submodules (the recipe's MLPs) by token chunks inside a unit (tokens.py).
 backward  autograd reaches a unit's node: its inputs are taken back, its weights materialised, the
           unit is run again from those inputs (the same ops in the same order as the forward, so
           the same values bitwise) with autograd on, and backpropagated from the gradient arriving
@@ -57,6 +58,8 @@ from ..setup import use_replay_attention
 from . import workdir
 from .embedding import UsedRows, by_rows, write_dense
 from .head import CaptureHead
+from .layers import CHUNK as LAYER_CHUNK
+from .layers import backward_only, chunk_layer, is_decoder_layer
 from .materialize import META, Weights, evict, materialize, shared_parameters, skeleton
 from .spill import ActivationStore
 from .tokens import CHUNK as TOKEN_CHUNK
@@ -176,6 +179,10 @@ class StreamEngine:
         self.order: list[str] = []  # gradient completion order: the backward order
         self.consumers: dict[tuple[str, int], list[_Call]] = {}  # call -> the calls its outputs went to
         self._bars: dict[str, Any] = {}
+        self.layer_chunk = min(token_chunk, LAYER_CHUNK)
+        self.row_chunked = [u for u in self.units if is_decoder_layer(self.model.get_submodule(u))]
+        for u in self.row_chunked:  # decoder layers run by row chunks (layers.py), under the unit's own wrapper
+            chunk_layer(self.model.get_submodule(u), self.layer_chunk)
         for u in self.units:
             self._wrap(u)
         self.token_chunked = token_chunked(self.model, recipe, self.units)
@@ -268,7 +275,7 @@ class StreamEngine:
             # was, so that a resumed run, which skips finished units, draws what an uninterrupted one does
             outer = self.mode._gen.get_state()
             self.mode._gen.set_state(call.gen)
-        with torch.enable_grad():
+        with torch.enable_grad(), backward_only():  # the recomputed outputs are only backpropagated
             out = self._run(call, inputs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
@@ -577,6 +584,18 @@ def rss_bytes() -> int:
 
 
 def max_rss_bytes() -> int:
+    """This process's peak resident set since it started its program: ``VmHWM`` of /proc/self/status.
+    Not ``ru_maxrss``: Linux carries a parent's resident set at fork into the child's ru_maxrss
+    across exec, so a replay started by a process holding 6 GiB reported a 6 GiB peak whatever it
+    held itself (measured: benchmarks/user_step.py's child, 6.02 GiB ru_maxrss, 5.15 GiB VmHWM).
+    ru_maxrss only where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -96,7 +96,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     n_params = sum(p.numel() for p in model.parameters())
     total = sum(flops.values())
     rate = gemm_rate()
-    need = budgets.need(cap, model, recipe, compute, token_chunk)
+    need = budgets.need(cap, model, recipe, compute, token_chunk, oracle=precisions.emulation(dtype)[1] is None)
     units = need["units"]
     bounds = boundaries(model, units, cap.manifest["recipe"]["config"], T, patches, size)
     inputs_bytes = sum(_numel(e) * (size if e["dtype"].startswith(("float", "bfloat")) else _itemsize(e["dtype"]))
