@@ -21,6 +21,11 @@ rows; three things are swapped in from outside for the duration of the step.
 
 Every op stays inside the single process's PrecisionMode(float64): the same casts promoted, the
 loss asserted float64 before backward.
+
+Streamed (``--max-memory``, oracle/replay/streaming/driver.py ``_replay_tokens``): the same swaps on
+each rank's streaming engine; ``agree`` (which journalled units every rank skips on resume),
+``kill_hook`` (fault injection for tests) and ``sum_shards`` (rank 0 adds the ranks' partial
+gradient shards in rank order) are at the end of this module.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ After each unit's backward, its gradient shard and the gradients it sent to its 
 and journalled. A replay killed at any point and started again with the same command and the same
 thread count reruns the forward (deterministic) and, for every journalled unit, returns the stored
 input gradients instead of recomputing it: it ends bitwise identical to an uninterrupted run.
+Split by tokens over ranks (oracle/replay/token_split.py), ``agreed`` replaces the journal's own
+finished units by those every rank finished (set by ``before_backward``, after the forward), so
+that all ranks recompute, and exchange K/V for, the same units.
 """
 
 from __future__ import annotations
