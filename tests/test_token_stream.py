@@ -92,7 +92,8 @@ def qwen3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed_vl(tmp_path_factory):
-    """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, its streamed oracle."""
+    """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, its streamed
+    oracle and one streamed token-parallel replay."""
     r = recipes.get("qwen3-vl")
     s = r.default_sample()
     s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
@@ -101,7 +102,7 @@ def packed_vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokens-stream-vl")
     cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
     assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
-    return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30))
+    return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30)), _split(cap, root / "split")
 
 
 def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, tmp_path):
@@ -117,8 +118,7 @@ def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_pat
     """Three packed samples with an image each (ViT replicated, its units streamed on every rank,
     image features to the rank owning each image token; per-sample causal attention across the
     ranks' rows): within 1e-12 of the single-process streamed replay."""
-    cap, one = packed_vl
-    s = _split(cap, tmp_path / "p")
+    _, one, s = packed_vl
     _assert_within(s, one, 2)
     assert s.get("token_parallel")["replicated"] == ["model.visual"]
 
@@ -145,6 +145,23 @@ def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     _bitwise(again, whole)
     assert again.get("backward_order") == whole.get("backward_order")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
+    """Packed tiny Qwen3-VL: rank 1 SIGKILLed after its 7th unit (the head, the 4 decoder layers,
+    the merger, ViT block 2). The ViT's backward exchanges nothing, so rank 0 may be several units
+    further there, and its journal has dropped input gradients that rank 1 still needs (layer 2's,
+    once the deepstack merger feeding it was done; seen in a run of this test): the agreement then
+    recomputes those units everywhere. Whatever the skipped set, the rerun ends bitwise equal to
+    the uninterrupted run."""
+    cap, _, whole = packed_vl
+    out = tmp_path / "k"
+    r = _run(_split_args(cap, out), env={token_split.KILL_ENV: "1:7"})
+    assert r.returncode == RankError.exit_code and "rank 1 of 2 was killed by SIGKILL" in r.stderr, r.stderr[-3000:]
+    again = _split(cap, out)
+    assert again.get("streaming")["resumed"] is True
+    _bitwise(again, whole)
+    assert again.get("backward_order") == whole.get("backward_order")
 
 
 def test_the_agreement_skips_only_what_every_rank_finished():

@@ -247,6 +247,7 @@ class StreamEngine:
         if saved is DROPPED:  # no longer needed: the units that would receive it are finished
             saved = [None] * len(call.requires)
         skip = self.journal.unit_done(call.unit) if self.agreed is None else call.unit in self.agreed
+        assert saved is not None or self.agreed is None or not skip, f"{call.unit} agreed finished, no input gradients"
         if saved is not None and skip:
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
