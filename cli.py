@@ -259,7 +259,9 @@ def replay(
     if dry_run:
         from oracle.replay.streaming import plan
 
-        p = plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget)
+        ranks = nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))  # per rank where the tokens are split
+        p = plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget,
+                      ranks=ranks if split == "tokens" and dtype.value == "fp64" else 1)  # fmt: skip
         typer.echo(plan.render(p))
         if not p["fits"]:
             raise UsageError(p["refusal"])  # exactly what the run would refuse

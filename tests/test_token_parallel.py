@@ -142,7 +142,7 @@ def test_two_ranks_split_a_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_
 
 
 def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
-    """Emulated replays spread members, not tokens; the split runs in memory; an unknown split is
+    """Emulated replays spread members, not tokens; the split has no certificate; an unknown split is
     named (UsageError, exit 2, before any rendezvous)."""
     from oracle.errors import UsageError
 
@@ -151,8 +151,8 @@ def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(UsageError, match="--split tokens splits the float64 oracle"):
         replay(cap, tmp_path / "x", dtype="amp-bf16", split="tokens")
-    with pytest.raises(UsageError, match=r"token-parallel float64 replay \(2 ranks\) runs in memory"):
-        replay(cap, tmp_path / "y", split="tokens", max_memory=2 << 30)
+    with pytest.raises(UsageError, match=r"token-parallel float64 replay \(2 ranks\) has no certificate"):
+        replay(cap, tmp_path / "y", split="tokens", verify="on")
     with pytest.raises(UsageError, match="--split is 'tensor' or 'tokens', got 'rows'"):
         replay(cap, tmp_path / "z", split="rows")
     assert UsageError.exit_code == 2

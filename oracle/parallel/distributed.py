@@ -143,15 +143,17 @@ def _wait(store, keys: list[str]) -> None:
 
 @contextlib.contextmanager
 def collectives(what: str):
-    """Gloo errors inside ``what`` (a peer that left: connection closed, or gloo's timeout) become a
-    RankError naming this rank and what it was doing; anything else passes unchanged."""
+    """Gloo errors inside ``what`` (a peer that left: connection closed, or gloo's timeout) end this
+    process at once with a message naming this rank and what it was doing, and exit code
+    ``RankError.exit_code`` (11), as the watchdog does: the process group is broken, and an
+    ordinary exit runs its destructors, which can abort (SIGABRT) and then look like the cause to
+    the launcher. Anything else passes unchanged."""
     try:
         yield
     except RuntimeError as e:
         text = str(e)
         if world() > 1 and any(k in text.lower() for k in ("gloo", "connection closed", "connection reset", "timed out")):
-            raise RankError(f"rank {rank()} of {world()}: a peer left during {what} ({text.splitlines()[0][:200]}); "
-                            "the run is stopped; run the same command again") from None  # fmt: skip
+            _die(f"a peer left during {what} ({text.splitlines()[0][:200]}); the run is stopped; run the same command again")
         raise
 
 

@@ -14,8 +14,11 @@ What each rank holds and computes (oracle/replay/token_split.py runs the step):
               whole sequence's sample boundaries (causal, packed).
   loss        each rank sums its rows' token losses; ``mean`` divides by the whole step's loss-token
               count, so the ranks' losses add up to the step's loss (gathered, summed in rank order).
-  weights     every rank holds the whole float64 model; after the backward each parameter's partial
-              gradients are gathered to rank 0 and summed there in rank order (``reduce_grads``).
+  weights     in memory every rank holds the whole float64 model; after the backward each parameter's
+              partial gradients are gathered to rank 0 and summed there in rank order (``reduce_grads``).
+              Streamed (--max-memory, oracle/replay/streaming/driver.py): each rank materialises a
+              unit's weights per unit and journals its partial shards; rank 0 adds them in rank order
+              at the end (oracle/replay/token_split.py ``sum_shards``): the same sums, the same bounds.
 
 Numerics: every op runs in float64 under the same PrecisionMode as the single process; what
 differs is the order of some sums: a weight gradient is the sum of N per-rank partial sums (each

@@ -125,11 +125,12 @@ def replay(
     if dtype == "fp64" and ensemble != 1:
         raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
     ranks = distributed.world()
-    if ranks > 1 and dtype == "fp64" and (max_memory is not None or verify == "on"):
-        raise UsageError(
-            f"the {'token' if split == 'tokens' else 'tensor'}-parallel float64 replay ({ranks} ranks) runs in memory and has "
-            "no certificate: drop --max-memory and --verify, or replay with one process"
-        )
+    if ranks > 1 and dtype == "fp64" and verify == "on":
+        raise UsageError(f"the {'token' if split == 'tokens' else 'tensor'}-parallel float64 replay ({ranks} ranks) has no "
+                         "certificate: drop --verify, or replay with one process")  # fmt: skip
+    if ranks > 1 and dtype == "fp64" and max_memory is not None and split != "tokens":
+        raise UsageError(f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory: drop --max-memory, "
+                         "or stream it split by tokens (--split tokens)")  # fmt: skip
     distributed.init()
     if max_memory is not None:
         if verify == "on":
@@ -138,7 +139,7 @@ def replay(
 
         return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
                                progress=progress, base=base, t0=t0, activation_budget=activation_budget,
-                               token_chunk=token_chunk)  # fmt: skip
+                               token_chunk=token_chunk, split=split)  # fmt: skip
     if dtype == "fp64":
         summed: list[str] = []  # tensor parallel (oracle/parallel/tensor_parallel.py): gradients summed over ranks
 

@@ -21,6 +21,11 @@ rows; three things are swapped in from outside for the duration of the step.
 
 Every op stays inside the single process's PrecisionMode(float64): the same casts promoted, the
 loss asserted float64 before backward.
+
+Streamed (``--max-memory``, oracle/replay/streaming/driver.py ``_replay_tokens``): the same swaps on
+each rank's streaming engine; ``agree`` (which journalled units every rank skips on resume),
+``kill_hook`` (fault injection for tests) and ``sum_shards`` (rank 0 adds the ranks' partial
+gradient shards in rank order) are at the end of this module.
 """
 
 from __future__ import annotations
@@ -249,3 +254,113 @@ def run(cap, run_step):
               "rows": [[list(s) for s in token_parallel.spans_of(n_tokens, ranks, r)] for r in range(ranks)],
               "peak_rss": peak, "replicated": sorted({n.split(".visual.")[0] + ".visual" for n, _ in model.named_parameters() if ".visual." in n})}  # fmt: skip
     return model, grads, total, mode, record
+
+
+# -- the streamed step split by tokens (oracle/replay/streaming/driver.py, --max-memory) --------------
+# Every rank runs the streaming engine on its rows (the swaps above), with its own work folder and
+# journal: its rows' boundary activations, its journalled input gradients and its *partial* gradient
+# shards (each parameter's gradient over its tokens). Collectives happen only inside the decoder
+# layers' attention (K/V gathered in the forward and again in the recomputation, dK/dV returned) and
+# once between forward and backward (``agree``); rank 0 sums the partial shards at the end.
+KILL_ENV = "ORACLE_TEST_KILL"  # "R:N": rank R SIGKILLs itself once its N-th unit is journalled (fault tests)
+
+
+def agree(engine) -> None:
+    """Which finished units every rank skips on resume (set on ``engine.agreed``; a collective, after
+    the forward, on every rank). A rank may have finished a unit another has not (killed apart): a
+    decoder layer recomputed on one rank and skipped on another would leave the first waiting in its
+    K/V exchange, so only the units *every* rank journalled are skipped. A skipped unit hands on its
+    journalled input gradients; where a rank's journal dropped them (the producing units were done
+    there, streaming/engine.py ``_drop_consumed``), the unit is skipped only if its producers are
+    skipped too (else it is recomputed everywhere): the fixed point of that rule, the same set on
+    every rank."""
+    import json
+
+    units = set(engine.unit_params)
+    done = token_parallel.gather_lists(sorted(u for u in engine.journal.units if u in units))
+    drops = token_parallel.gather_lists(sorted(json.dumps([u, i]) for u, i in engine.journal.dropped))
+    skip = set.intersection(*(set(d) for d in done))
+    dropped = {tuple(json.loads(x)) for d in drops for x in d}
+    producers = {(c.unit, c.index): c.producers for cs in engine.consumers.values() for c in cs}
+    changed = True
+    while changed:
+        changed = False
+        for u, i in sorted(dropped):
+            if u in skip and any(p not in skip for p, _ in producers.get((u, i), ())):
+                skip.discard(u)
+                changed = True
+    engine.agreed = skip
+
+
+def kill_hook(journal, me: int) -> None:
+    """Fault injection for tests (``ORACLE_TEST_KILL=R:N``): rank R is SIGKILLed right after the N-th
+    unit record this run journals, a point every run reaches (no timer, nothing racy)."""
+    import os
+    import signal
+
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    rank, n = (int(x) for x in spec.split(":"))
+    if rank != me:
+        return
+    append, seen = journal._append, [0]
+
+    def killing(rec: dict) -> None:
+        append(rec)
+        if rec.get("kind") == "unit":
+            seen[0] += 1
+            if seen[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    journal._append = killing
+
+
+SUM_ROWS = 4096  # rows per block when a one-tensor shard (the head, a token embedding) is summed
+
+
+def sum_shards(parts: list[tuple], into) -> list[tuple]:
+    """The step's gradient shards from every rank's partial ones: ``parts`` is, in rank order, (the
+    rank's member folder, its journal's unit records); -> [(file, manifest entries)], one shard per
+    unit, in rank 0's journal order (then units only later ranks reached). Each tensor is
+    ``g_0 + g_1 + ... + g_{N-1}`` added in rank order (ranks without it are left out), whole per
+    unit, or by row blocks of SUM_ROWS for a one-tensor shard (the head, an embedding: never whole
+    in memory). Elementwise additions: blocks or whole give the same bits."""
+    from safetensors import safe_open
+
+    from ..bundle.rows import RowWriter
+    from ..parallel.distributed import save_part
+
+    by_rank = [{rec["unit"]: (d / rec["file"], rec) for rec in recs} for d, recs in parts]
+    out = []
+    into.mkdir(parents=True, exist_ok=True)
+    for k, unit in enumerate(merged_order([[rec["unit"] for rec in recs] for _, recs in parts]), 1):
+        have = [m[unit] for m in by_rank if unit in m]
+        names = merged_order([list(rec["entries"]) for _, rec in have])
+        path = into / f"shard-{k:05d}.safetensors"
+        files = [safe_open(str(f), framework="pt") for f, _ in have]
+        if len(names) == 1 and len(have[0][1]["entries"][names[0]]["shape"]) >= 2:
+            name = names[0]
+            shape = have[0][1]["entries"][name]["shape"]
+            w = None
+            for v0 in range(0, shape[0], SUM_ROWS):
+                acc = None
+                for f in files:
+                    if name in f.keys():
+                        block = f.get_slice(name)[v0 : v0 + SUM_ROWS]
+                        acc = block.clone() if acc is None else acc.add_(block)
+                if w is None:
+                    w = RowWriter(path, name, shape, acc.dtype)
+                w.write(acc)
+            out.append((path, {name: w.close()}))
+            continue
+        summed = {}
+        for name in names:
+            acc = None
+            for f in files:
+                if name in f.keys():
+                    t = f.get_tensor(name)
+                    acc = t if acc is None else acc.add_(t)
+            summed[name] = acc
+        out.append((path, save_part(summed, path)))
+    return out

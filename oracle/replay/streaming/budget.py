@@ -128,26 +128,44 @@ def tensor_counts(cap_inputs: dict[str, dict]) -> tuple[int, int]:
 
 
 def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int | None = None, *,
-         oracle: bool = True) -> dict[str, Any]:  # fmt: skip
+         oracle: bool = True, ranks: int = 1) -> dict[str, Any]:  # fmt: skip
     """The reserve of a streamed replay of ``cap`` (a Bundle) on ``model`` (its skeleton): the largest
     unit's or the head's need, named; what ``replay --max-memory`` and ``--dry-run`` both check.
-    ``oracle``: a float64 oracle replay (its decoder layers run by row chunks); False: an emulation."""
+    ``oracle``: a float64 oracle replay (its decoder layers run by row chunks); False: an emulation.
+    ``ranks`` > 1: one rank of the token-parallel replay (--split tokens): its share of the text
+    tokens (the largest rank's rows) and of the loss tokens, the vision tower whole (replicated),
+    and per decoder layer the whole sequence's gathered K and V and their partial gradients,
+    4 x T x kv_width (oracle/replay/token_split.py). A rank's layers run whole (its own attention
+    kernel, not the row-chunked one: layers.py), so ``oracle`` chunking is off there."""
     from .engine import partition, token_chunked
     from .layers import CHUNK as LAYER_CHUNK
     from .layers import is_decoder_layer
     from .tokens import CHUNK
 
     units, _, head, resident = partition(model, recipe)
-    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle else []
+    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle and ranks == 1 else []
     tensors = cap.manifest["tensors"].get("inputs", {})
     T, P = tensor_counts(tensors)
     n_loss = 0
     if "labels" in tensors:
         n_loss = int((cap.load("inputs", "labels") != -100).sum())
     size = torch.empty((), dtype=compute).element_size()
+    T_all = T
+    if ranks > 1:
+        from ...parallel.token_parallel import Layout
+
+        T = max(Layout(T, ranks, 0).counts)
+        n_loss = -(-n_loss // ranks)
     out = reserve(model, units, token_chunked(model, recipe, units), text_tokens=T, patches=P, loss_tokens=n_loss,
                   size=size, chunk=token_chunk or CHUNK, head=head, rows=rows,
                   layer_chunk=min(token_chunk or CHUNK, LAYER_CHUNK))  # fmt: skip
+    if ranks > 1:
+        for u in units:
+            kv = [m.out_features for n, m in model.get_submodule(u).named_modules() if n.endswith(("k_proj", "v_proj"))]
+            if "visual" not in u and kv:
+                out["needs"][u] += 2 * T_all * sum(kv) * size  # K, V whole, and their partial gradients
+        out["by"] = max(out["needs"], key=out["needs"].get)
+        out["bytes"] = out["needs"][out["by"]]
     out["resident"] = sum(model.get_parameter(n).numel() for n in resident) * size
     out["units"] = units
     return out

@@ -28,7 +28,7 @@ from .engine import JOURNAL as JOURNAL_NAME
 from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
 
-def _header(cap: Bundle, dtype: str, ensemble: int, out: Path) -> dict[str, Any]:
+def _header(cap: Bundle, dtype: str, ensemble: int, out: Path, split: str = "tensor") -> dict[str, Any]:
     """What a work folder must have been made for to be resumed: this step, this command, this version."""
     from ...version import __version__
 
@@ -37,14 +37,17 @@ def _header(cap: Bundle, dtype: str, ensemble: int, out: Path) -> dict[str, Any]
             "out": out.name}  # fmt: skip
     if distributed.world() > 1:  # which members a rank owns depends on the number of ranks
         head.update(rank=distributed.rank(), ranks=distributed.world())
+    if split == "tokens":  # which rows a rank owns, too
+        head["split"] = split
     return head
 
 
 def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
                     base: dict[str, Any], t0: float, activation_budget: int | None = None,
-                    token_chunk: int | None = None) -> Path:  # fmt: skip
+                    token_chunk: int | None = None, split: str = "tensor") -> Path:  # fmt: skip
     """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
-    ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK)."""
+    ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK);
+    ``split="tokens"`` with several ranks: the float64 step split by tokens (``_replay_tokens``)."""
     from ..setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries
 
     tame_malloc()
@@ -54,13 +57,18 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     compute, round_to, ops = precisions.emulation(dtype)
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     ranks = distributed.world()
+    by_tokens = ranks > 1 and split == "tokens"
     # one work directory per rank (.NAME.rankR.partial): its members' journals, resumed per rank
     inputs = load_inputs(cap, compute)  # validated (packed boundaries) before any work folder exists
     work, adopted = work_dir(
         out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"),
-        _header(cap, dtype, ensemble, out),
+        _header(cap, dtype, ensemble, out, "tokens" if by_tokens else "tensor"),
         overwrite=overwrite,
     )
+    if by_tokens:
+        return _replay_tokens(cap, out, recipe, inputs, work, adopted, compute=compute, reduction=reduction, budget=budget,
+                              overwrite=overwrite, progress=progress, base=base, t0=t0,
+                              activation_budget=activation_budget, token_chunk=token_chunk)  # fmt: skip
     members = ["grads"] + [f"grads.{k}" for k in range(1, ensemble)]
     losses, orders, promotions, stats = [], [], 0, {}
     resumed, notes = False, []  # resumed: finished work was taken over (not merely a folder found)
@@ -150,6 +158,92 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
                 src.rename(dst)
                 w.adopt(member, dst, rec["entries"], move=True)
+        w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    shutil.rmtree(work, ignore_errors=True)
+    distributed.finish()
+    return out
+
+
+def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tensor], work: Path, adopted: bool, *,
+                   compute: torch.dtype, reduction: str, budget: int, overwrite: bool, progress: bool,
+                   base: dict[str, Any], t0: float, activation_budget: int | None, token_chunk: int | None) -> Path:  # fmt: skip
+    """The streamed float64 step split by tokens over the ranks (oracle/replay/token_split.py). Every
+    rank streams its rows: its own engine, work folder and journal, its units' weights materialised
+    from its local copy of the capture per unit; its gradient shards are partial sums over its rows.
+    Between forward and backward the ranks agree on the units they all finished (skipped on resume).
+    At the end the ranks send their partial shards to rank 0 (gloo, distributed.send_parts), which
+    adds them in rank order unit by unit (token_split.sum_shards) and writes the bundle with the
+    single-process streamed layout (one shard per unit)."""
+    from ...parallel import token_parallel
+    from .. import token_split
+    from ..setup import carry_inputs_and_weights
+
+    ranks, me = distributed.world(), distributed.rank()
+    member = "grads"
+    _, round_to, ops = precisions.emulation("fp64")
+    mode = PrecisionMode(compute, round_to, ops, jitter_seed=None, device_type=cap.capture_device())
+    build_mode = PrecisionMode(compute)
+    engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
+                          progress=progress and distributed.is_main(),
+                          **({} if token_chunk is None else {"token_chunk": token_chunk}))  # fmt: skip
+    resumed_here = bool(engine.journal.units or engine.journal.calls)
+    reserve = budgets.need(cap, engine.model, recipe, compute, token_chunk, ranks=ranks)
+    fixed = rss_bytes() + reserve["bytes"]
+    if budget < fixed:  # every rank sees the same step and budget: all refuse alike (exit 2)
+        if not resumed_here:
+            shutil.rmtree(work, ignore_errors=True)
+        raise UsageError(budgets.refusal(budget, fixed, reserve["by"]) + f" (per rank, {ranks} ranks)")
+    engine.store.budget = budget - fixed if activation_budget is None else activation_budget
+    engine.before_backward = token_split.agree
+    token_split.kill_hook(engine.journal, me)
+    torch.manual_seed(0)
+    with distributed.collectives("the token-parallel streamed step"):
+        local, within = token_split.splitter(ranks, me)(engine.model, inputs)
+        with within:
+            loss = engine.run(local, reduction)
+        workdir.write_end(work, work / member, {"loss": loss, "order": engine.order,
+                                                "promotions": mode.promotions + build_mode.promotions})  # fmt: skip
+        total = token_parallel.sum_scalars(loss)
+        order = token_split.merged_order(token_parallel.gather_lists(engine.order))
+        peak = token_parallel.gather_ints(max_rss_bytes())
+        resumed = any(token_parallel.gather_ints(int(resumed_here)))
+    skipped = sorted(engine.agreed or ())
+    units = read_journal(work / member, "unit")
+    stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
+             "store_budget": engine.store.budget, "fixed_estimate": fixed,
+             "disk_written": engine.store.written + engine.journal.written}  # fmt: skip
+    promotions = mode.promotions + build_mode.promotions
+    del engine
+    if not distributed.is_main():  # this rank's partial shards to rank 0
+        distributed.send_parts("tokens", {"units": units}, [work / member / u["file"] for u in units])
+        distributed.finish()
+        shutil.rmtree(work, ignore_errors=True)
+        return out
+    parts = [(work / member, units)]
+    for r in range(1, ranks):
+        into = work / f"from-rank{r}"
+        into.mkdir(exist_ok=True)
+        parts.append((into, distributed.recv_parts("tokens", r, into)["units"]))
+    shards = token_split.sum_shards(parts, work / "summed")
+    T = int(inputs["tokens" if "tokens" in inputs else "input_ids"].shape[-1])
+    with BundleWriter(out, "oracle", overwrite=overwrite) as w:
+        w.manifest.update(base)
+        w.manifest["streaming"] = {"max_memory": budget, "peak_rss": max(peak), "resumed": resumed, **stats}
+        w.manifest["ranks"] = ranks
+        w.manifest["token_parallel"] = {
+            "ranks": ranks, "bound_rel": token_parallel.BOUND_REL, "tokens": T, "streamed": True,
+            "rows": [[list(s) for s in token_parallel.spans_of(T, ranks, r)] for r in range(ranks)],
+            "peak_rss": peak, "skipped_units": skipped,
+            "replicated": sorted({n.split(".visual.")[0] + ".visual" for rec in units for n in rec["entries"] if ".visual." in n}),
+        }  # fmt: skip
+        w.manifest.update(loss={**(cap.get("loss") or {}), "value": total}, backward_order=order, certificate=None,
+                          numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
+        del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
+        carry_inputs_and_weights(cap, w)
+        for path, entries in shards:  # named as the single-process streamed bundle names its shards
+            dst = path.with_name(f"{member}-{path.name.split('-')[-1]}")
+            path.rename(dst)
+            w.adopt(member, dst, entries, move=True)
         w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
     shutil.rmtree(work, ignore_errors=True)
     distributed.finish()

@@ -32,6 +32,9 @@ After each unit's backward, its gradient shard and the gradients it sent to its 
 and journalled. A replay killed at any point and started again with the same command and the same
 thread count reruns the forward (deterministic) and, for every journalled unit, returns the stored
 input gradients instead of recomputing it: it ends bitwise identical to an uninterrupted run.
+Split by tokens over ranks (oracle/replay/token_split.py), ``agreed`` replaces the journal's own
+finished units by those every rank finished (set by ``before_backward``, after the forward), so
+that all ranks recompute, and exchange K/V for, the same units.
 """
 
 from __future__ import annotations
@@ -177,6 +180,10 @@ class StreamEngine:
         self.done_calls: dict[str, int] = {}
         self.journal = _Journal(work, member)
         self.order: list[str] = []  # gradient completion order: the backward order
+        # token-parallel hooks (oracle/replay/token_split.py): the units every rank finished, which alone
+        # are skipped on resume (None: this journal's own), and a call made between forward and backward
+        self.agreed: set[str] | None = None
+        self.before_backward = None
         self.consumers: dict[tuple[str, int], list[_Call]] = {}  # call -> the calls its outputs went to
         self._bars: dict[str, Any] = {}
         self.layer_chunk = min(token_chunk, LAYER_CHUNK)
@@ -246,7 +253,9 @@ class StreamEngine:
         saved = self.journal.grad_inputs(call.unit, call.index)
         if saved is DROPPED:  # no longer needed: the units that would receive it are finished
             saved = [None] * len(call.requires)
-        if saved is not None and self.journal.unit_done(call.unit):
+        skip = self.journal.unit_done(call.unit) if self.agreed is None else call.unit in self.agreed
+        assert saved is not None or self.agreed is None or not skip, f"{call.unit} agreed finished, no input gradients"
+        if saved is not None and skip:
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
             if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
@@ -334,7 +343,10 @@ class StreamEngine:
         grads = [None] * len(call.requires)
         self.journal.record_call(call.unit, call.index, grads)
         self._drop_consumed((call.unit, call.index))
-        if self.done_calls[call.unit] == self.calls[call.unit]:
+        if self.done_calls[call.unit] == self.calls[call.unit] and self.journal.unit_done(call.unit):
+            self.pending.pop(call.unit)  # recomputed for its exchanges' sake (token-parallel resume): written already
+            self.order.append(call.unit + ".weight")
+        elif self.done_calls[call.unit] == self.calls[call.unit]:
             used, g = self.pending.pop(call.unit)
             name = call.unit + ".weight"
             path = self.journal.new_shard()
@@ -405,6 +417,8 @@ class StreamEngine:
             for n in self.resident:
                 p = self.model.get_parameter(n)
                 hooks.append(p.register_post_accumulate_grad_hook(lambda _, n=n: self.order.append(n)))
+            if self.before_backward is not None:
+                self.before_backward(self)
             try:
                 loss.backward()
             finally:

@@ -24,6 +24,7 @@ import torch
 from ... import precision as precisions
 from ...bundle.store import Bundle
 from ...capture.packing import check_boundaries
+from ...parallel.token_parallel import Layout
 from ...precision.mode import PrecisionMode
 from .materialize import skeleton
 
@@ -63,9 +64,11 @@ def _samples(cap: Bundle, total: int) -> list[int]:
 
 
 def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int | None = None,
-         activation_budget: int | None = None, token_chunk: int | None = None) -> dict[str, Any]:  # fmt: skip
+         activation_budget: int | None = None, token_chunk: int | None = None, ranks: int = 1) -> dict[str, Any]:  # fmt: skip
     """The dry run's numbers; ``fits`` is False exactly when the run would refuse ``budget``
-    (``activation_budget`` and ``token_chunk`` as the run's test overrides)."""
+    (``activation_budget`` and ``token_chunk`` as the run's test overrides). ``ranks`` > 1: one rank
+    of the token-parallel replay (--split tokens): memory and disk per rank (its rows' boundary
+    activations and input gradients, budget.need's per-rank reserve), the time at ideal speed-up."""
     from ..setup import recipe_of
     from . import budget as budgets
 
@@ -96,9 +99,11 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     n_params = sum(p.numel() for p in model.parameters())
     total = sum(flops.values())
     rate = gemm_rate()
-    need = budgets.need(cap, model, recipe, compute, token_chunk, oracle=precisions.emulation(dtype)[1] is None)
+    need = budgets.need(cap, model, recipe, compute, token_chunk, oracle=precisions.emulation(dtype)[1] is None,
+                        ranks=ranks)  # fmt: skip
     units = need["units"]
-    bounds = boundaries(model, units, cap.manifest["recipe"]["config"], T, patches, size)
+    T_rank = T if ranks == 1 else max(Layout(T, ranks, 0).counts)  # the largest rank's rows
+    bounds = boundaries(model, units, cap.manifest["recipe"]["config"], T_rank, patches, size)
     inputs_bytes = sum(_numel(e) * (size if e["dtype"].startswith(("float", "bfloat")) else _itemsize(e["dtype"]))
                        for e in tensors.values())  # fmt: skip
     process = _base_rss() + need["resident"] + inputs_bytes  # the run measures this as its resident set
@@ -115,12 +120,13 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
         "parameters": n_params, "units": len(units), "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
-        "estimated_seconds": total / (rate * EFFICIENCY),
+        "estimated_seconds": total / (rate * EFFICIENCY) / ranks, "ranks": ranks,
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
                    "activations": activations, "activations_in_memory": activations - spill,
                    "peak_estimate": fixed + (activations - spill)},
         "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
-                 "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured},
+                 "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured,
+                 "rank0_partials": (ranks - 1) * n_params * size},
         "budget": budget, "fits": fits,
         "refusal": None if fits else budgets.refusal(budget, fixed, need["by"]),
     }  # fmt: skip
@@ -227,13 +233,16 @@ def render(p: dict[str, Any]) -> str:
         f"{p['loss_tokens']} loss tokens, {_count(p['parameters'])} parameters, {p['units']} streamed units, {p['dtype']}",
         f"  FLOPs    {p['total_flops']:.3e}  (linear {f['linear']:.2e}, attention {f['attention']:.2e}, head+loss {f['head']:.2e})",
         f"  time     about {p['estimated_seconds'] / 60:.1f} min here (float64 GEMM probe {p['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s x {EFFICIENCY})",
-        f"  memory   peak about {g(p['memory']['peak_estimate'])}"
+        f"  memory   {'per rank of ' + str(p['ranks']) + ' (split by tokens): ' if p.get('ranks', 1) > 1 else ''}"
+        f"peak about {g(p['memory']['peak_estimate'])}"
         + ((" within" if p["fits"] else " ABOVE") + f" --max-memory {g(p['budget'])}" if p["budget"] else "")
         + f": process {g(p['memory']['process'])}, largest need {g(p['memory']['reserve'])} ({p['memory']['reserve_by']}), "
         f"boundary activations {g(p['memory']['activations'])}, {g(p['memory']['activations_in_memory'])} of them in memory",
         f"  disk     oracle gradients {g(p['disk']['gradients'])}; capture files hard-linked (else copied: "
         f"{g(p['disk']['inputs_and_weights'])}); while running: spilled activations {g(p['disk']['spilled_activations'])}, "
         f"resume journal {g(p['disk']['resume_journal'])} written (the last finished units' held); "
-        f"at most {g(p['disk']['held_peak'])} held at once, {g(p['disk']['written'])} written in all",
+        f"at most {g(p['disk']['held_peak'])} held at once, {g(p['disk']['written'])} written in all"
+        + (f"; rank 0 receives the other ranks' partial gradients at the end ({g(p['disk']['rank0_partials'])})"
+           if p.get("ranks", 1) > 1 else ""),
     ]  # fmt: skip
     return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""The streamed token-parallel float64 replay (--split tokens --nproc 2 --max-memory): every gradient
+and the loss within 1e-12 of the single-process streamed replay, bitwise repeatable, the same bundle
+layout; a rank killed mid-backward, the same command again resumes (skipping the units every rank
+finished) and ends bitwise equal to the uninterrupted run; per-rank budgets in the dry run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from oracle import recipe as recipes
+from oracle.bundle.store import Bundle
+from oracle.capture.steps import capture_recipe_step
+from oracle.errors import RankError, UsageError
+from oracle.parallel import token_parallel
+from oracle.replay import token_split
+from oracle.replay.run import replay
+from oracle.replay.streaming import plan
+
+ROOT = Path(__file__).parent.parent
+CLI = [sys.executable, "-m", "oracle"]
+BOUND = token_parallel.BOUND_REL
+BUDGET = "4G"
+
+
+def _run(args, env=None):
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def _split_args(cap, out, nproc=2):
+    return ["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", str(nproc), "--threads", "1",
+            "--max-memory", BUDGET]  # fmt: skip
+
+
+def _split(cap, out, nproc=2):
+    r = _run(_split_args(cap, out, nproc))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
+    return Bundle(out)
+
+
+def _files(b: Bundle) -> list[str]:
+    return sorted({e["file"] for e in b.manifest["tensors"]["grads"].values()})
+
+
+def _assert_within(split: Bundle, one: Bundle, ranks: int):
+    rec = split.get("token_parallel")
+    assert split.kind == "oracle" and rec["ranks"] == ranks and rec["streamed"] and rec["bound_rel"] == BOUND
+    covered = sorted(i for spans in rec["rows"] for a, b in spans for i in range(a, b))
+    assert covered == list(range(rec["tokens"]))  # every token on exactly one rank
+    assert split.get("streaming")["max_memory"] == 4 << 30
+    assert split.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=BOUND, abs=0)
+    gs, go = split.load_group("grads"), one.load_group("grads")
+    assert set(gs) == set(go)
+    assert all(gs[n].dtype == torch.float64 for n in gs)
+    worst = {n: float((gs[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
+    assert max(worst.values()) <= BOUND, max(worst.items(), key=lambda kv: kv[1])
+    assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
+    assert split.get("backward_order") == one.get("backward_order")
+    assert _files(split) == _files(one)  # the single-process streamed layout: one shard per unit, same names
+    assert {n: e["file"] for n, e in split.manifest["tensors"]["grads"].items()} == {
+        n: e["file"] for n, e in one.manifest["tensors"]["grads"].items()
+    }
+
+
+def _bitwise(a: Bundle, b: Bundle) -> None:
+    ga, gb = a.load_group("grads"), b.load_group("grads")
+    assert set(ga) == set(gb)
+    assert [n for n in ga if not torch.equal(ga[n], gb[n])] == []
+    assert a.get("loss")["value"] == b.get("loss")["value"]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The tiny Qwen3 (text), two samples packed, in fp32; its single-process streamed oracle and one
+    streamed token-parallel replay."""
+    r = recipes.get("qwen3")
+    s = r.default_sample()
+    s2 = copy.deepcopy(s)
+    s2["messages"][-1]["content"] = "Another answer, long enough to cross the ranks' blocks."
+    root = tmp_path_factory.mktemp("tokens-stream")
+    cap = capture_recipe_step(r.load("tiny-qwen3"), [s, s2], str(root / "cap"), precision="fp32")
+    one = Bundle(replay(cap, root / "one", max_memory=4 << 30))
+    return cap, one, _split(cap, root / "split")
+
+
+@pytest.fixture(scope="module")
+def packed_vl(tmp_path_factory):
+    """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, its streamed
+    oracle and one streamed token-parallel replay."""
+    r = recipes.get("qwen3-vl")
+    s = r.default_sample()
+    s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
+    s2["messages"][1]["content"], s2["messages"][2]["content"] = "Describe <image> briefly.", "Squares."
+    s3["messages"][2]["content"] = "A gradient from red to green with a checkerboard on top of it."
+    root = tmp_path_factory.mktemp("tokens-stream-vl")
+    cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
+    assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
+    return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30)), _split(cap, root / "split")
+
+
+def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, tmp_path):
+    """Two ranks, streamed: every gradient and the loss within 1e-12 of the single-process streamed
+    replay (measured ~1e-15), the same shards; a second run is bitwise the first; no work folder left."""
+    cap, one, split = qwen3
+    _assert_within(split, one, 2)
+    _bitwise(split, _split(cap, tmp_path / "again"))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_path):
+    """Three packed samples with an image each (ViT replicated, its units streamed on every rank,
+    image features to the rank owning each image token; per-sample causal attention across the
+    ranks' rows): within 1e-12 of the single-process streamed replay."""
+    _, one, s = packed_vl
+    _assert_within(s, one, 2)
+    assert s.get("token_parallel")["replicated"] == ["model.visual"]
+
+
+@pytest.mark.parametrize("kill", ["1:3", "0:3"])
+def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
+    """ORACLE_TEST_KILL=R:N SIGKILLs rank R right after it journals its N-th unit (inside the backward:
+    the head is the first, then decoder layers 3, 2: the other rank has journalled layer 3 by then,
+    since layer 2's exchanges needed it): the launcher stops the other rank and exits 11
+    naming the dead one, the work folders stay; the same command again resumes, skips the units
+    both ranks finished and ends bitwise equal to the uninterrupted run."""
+    cap, _, whole = qwen3
+    out = tmp_path / "k"
+    r = _run(_split_args(cap, out), env={token_split.KILL_ENV: kill})
+    dead = kill.split(":")[0]
+    assert r.returncode == RankError.exit_code, r.stderr[-3000:]
+    assert f"rank {dead} of 2 was killed by SIGKILL" in r.stderr
+    assert not out.exists()
+    assert (tmp_path / ".k.rank0.partial").is_dir() and (tmp_path / ".k.rank1.partial").is_dir()
+    again = _split(cap, out)
+    rec = again.get("token_parallel")
+    assert again.get("streaming")["resumed"] is True
+    assert rec["skipped_units"] and all(u.startswith("model.layers.") for u in rec["skipped_units"]), rec
+    _bitwise(again, whole)
+    assert again.get("backward_order") == whole.get("backward_order")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
+    """Packed tiny Qwen3-VL: rank 1 SIGKILLed after its 7th unit (the head, the 4 decoder layers,
+    the merger, ViT block 2). The ViT's backward exchanges nothing, so rank 0 may be several units
+    further there, and its journal has dropped input gradients that rank 1 still needs (layer 2's,
+    once the deepstack merger feeding it was done; seen in a run of this test): the agreement then
+    recomputes those units everywhere. Whatever the skipped set, the rerun ends bitwise equal to
+    the uninterrupted run."""
+    cap, _, whole = packed_vl
+    out = tmp_path / "k"
+    r = _run(_split_args(cap, out), env={token_split.KILL_ENV: "1:7"})
+    assert r.returncode == RankError.exit_code and "rank 1 of 2 was killed by SIGKILL" in r.stderr, r.stderr[-3000:]
+    again = _split(cap, out)
+    assert again.get("streaming")["resumed"] is True
+    _bitwise(again, whole)
+    assert again.get("backward_order") == whole.get("backward_order")
+
+
+def test_the_agreement_skips_only_what_every_rank_finished():
+    """token_split.agree on journals that differ (rank 0 ahead): only the units both finished are
+    skipped; a unit whose journalled input gradients a rank dropped is skipped only with its producers."""
+
+    class Call:
+        def __init__(self, unit, index, producers):
+            self.unit, self.index, self.producers = unit, index, producers
+
+    class Journal:
+        def __init__(self, units, dropped):
+            self.units, self.dropped = dict.fromkeys(units, {}), set(dropped)
+
+    class Engine:
+        unit_params = {"a": [], "b": [], "c": []}
+        # c's input comes from b, b's from a
+        consumers = {("a", 0): [Call("b", 0, {("a", 0)})], ("b", 0): [Call("c", 0, {("b", 0)})]}
+
+    def agreed(per_rank):
+        lists = iter([[sorted(j.units) for j in per_rank], [sorted(f'["{u}", {i}]' for u, i in j.dropped) for j in per_rank]])
+        e = Engine()
+        e.journal = per_rank[0]
+        orig = token_parallel.gather_lists
+        token_parallel.gather_lists = lambda items: next(lists)
+        try:
+            token_split.agree(e)
+        finally:
+            token_parallel.gather_lists = orig
+        return e.agreed
+
+    assert agreed([Journal(["c", "b"], []), Journal(["c"], [])]) == {"c"}
+    # rank 0 finished a and b and so dropped c's input gradients; rank 1 finished c only: c skipped
+    # without its gradients would starve b, which rank 1 recomputes: c is recomputed too
+    assert agreed([Journal(["c", "b", "a"], [("c", 0)]), Journal(["c"], [])]) == set()
+    assert agreed([Journal(["c", "b"], [("c", 0)]), Journal(["c", "b"], [])]) == {"b", "c"}
+
+
+def test_the_dry_run_reports_per_rank_numbers(qwen3):
+    """plan(ranks=2): the boundary activations and resume journal per rank about half the single
+    process's (the largest rank's rows), the reserve named; rank 0's end-of-run partials counted."""
+    cap, _, _ = qwen3
+    p1, p2 = plan.plan(Bundle(cap), "fp64", budget=4 << 30), plan.plan(Bundle(cap), "fp64", budget=4 << 30, ranks=2)
+    T = p1["tokens"]
+    share = max(token_parallel.Layout(T, 2, 0).counts) / T
+    assert p2["ranks"] == 2 and 0.4 < share <= 0.55
+    assert p2["memory"]["activations"] == pytest.approx(p1["memory"]["activations"] * share, rel=0.01)
+    assert p2["disk"]["resume_journal"] == pytest.approx(p1["disk"]["resume_journal"] * share, rel=0.01)
+    assert p2["disk"]["rank0_partials"] == p1["disk"]["gradients"]
+    assert "per rank of 2 (split by tokens)" in plan.render(p2)
+
+
+def test_what_the_streamed_split_refuses_exits_2(qwen3, tmp_path, monkeypatch):
+    """Emulated dtypes spread members, not tokens; the tensor split does not stream; a budget below
+    one rank's need is refused by every rank alike with the size that would do: all exit 2."""
+    cap, _, _ = qwen3
+    r = _run(["replay", str(cap), "--out", str(tmp_path / "e"), "--dtype", "bf16", "--split", "tokens", "--nproc", "2",
+              "--max-memory", BUDGET])  # fmt: skip
+    assert r.returncode == UsageError.exit_code == 2 and "--split tokens splits the float64 oracle" in r.stderr
+    r = _run(_split_args(cap, tmp_path / "small")[:-1] + ["64M"])
+    assert r.returncode == 2 and "per rank, 2 ranks" in r.stderr and "raise it to at least" in r.stderr, r.stderr[-2000:]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing to resume: no folder left
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match=r"tensor-parallel float64 replay \(2 ranks\) runs in memory"):
+        replay(cap, tmp_path / "t", max_memory=4 << 30)
