@@ -20,3 +20,23 @@ def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Te
                 tensors = {n: fn(n, g) for n, g in tensors.items()}
             w.add(group, tensors)
     return dst
+
+
+def assert_split_within(split: Bundle, one: Bundle, ranks: int, bound: float) -> None:
+    """A token-parallel oracle against the single process: every token on exactly one rank, the
+    loss and every gradient within ``bound`` relative (float64 throughout), untouched rows exactly
+    zero, the same backward order."""
+    import pytest
+
+    rec = split.get("token_parallel")
+    assert split.kind == "oracle" and rec["ranks"] == ranks and rec["bound_rel"] == bound
+    covered = sorted(i for spans in rec["rows"] for a, b in spans for i in range(a, b))
+    assert covered == list(range(rec["tokens"]))  # every token on exactly one rank
+    assert split.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=bound, abs=0)
+    gs, go = split.load_group("grads"), one.load_group("grads")
+    assert set(gs) == set(go)
+    assert all(gs[n].dtype == torch.float64 for n in gs)
+    worst = {n: float((gs[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
+    assert max(worst.values()) <= bound, max(worst.items(), key=lambda kv: kv[1])
+    assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
+    assert split.get("backward_order") == one.get("backward_order")

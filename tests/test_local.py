@@ -113,3 +113,16 @@ def test_hooks_are_removed_after_capture(source, sample, tmp_path):
     capture_recipe_step(source, sample, str(tmp_path / "c"), modules="all", instrument=instrument)
     m = seen["model"]
     assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in m.modules())
+
+
+def test_the_verdict_names_the_quantity_beyond_the_band():
+    """A culprit whose parameter gradients are off (its input gradients honest) is called so, not 'its backward'."""
+    from oracle.score.local import _score_row, _verdict
+
+    row = {"module": "m", "order": 0, "fwd": 1e-7, "bwd": 1e-7, "param": 1e-3,
+           "expected_fwd": 1e-7, "expected_bwd": 1e-7, "expected_param": 1e-7}  # fmt: skip
+    r = _score_row(row, 1e-9, 3.0)
+    text = _verdict([r], [r], "fp32")["text"]
+    assert r["direction"] == "backward" and "its parameter gradients are 10000.0x" in text, text
+    r = _score_row({**row, "fwd": 1e-4}, 1e-9, 3.0)
+    assert r["direction"] == "forward" and "its forward output is 1000.0x" in _verdict([r], [r], "fp32")["text"]

@@ -86,3 +86,25 @@ def test_module_selection_presets_regexes_and_errors():
         module_selection(m, "layers(")
     with pytest.raises(ValueError, match="matches no module"):
         module_selection(m, "vision")
+    with pytest.raises(ValueError, match="did you mean 'layers'"):  # a near-miss of a preset is a typo, not a regex
+        module_selection(m, "layer")
+
+
+def test_the_environment_mistakes_are_said_and_never_stop_the_training(monkeypatch, capsys):
+    """ORACLE_CAPTURE_STEP that is no integer: said once, nothing captured, the call runs as usual;
+    ORACLE_CAPTURE_MODULES_BUDGET_MB takes MiB with or without a unit, and a bad one names the variable."""
+    from oracle.integrations.megatron import autocapture
+
+    monkeypatch.setitem(autocapture._state, "calls", 0)
+    monkeypatch.setenv("ORACLE_CAPTURE_STEP", "first")
+    calls = []
+    step = autocapture._wrap(lambda *a, **k: calls.append(1) or "result")
+    assert step(forward_only=False) == "result" and step(forward_only=False) == "result" and calls == [1, 1]
+    err = capsys.readouterr().err
+    assert err.count("ORACLE_CAPTURE_STEP must be an integer") == 1 and "nothing will be captured" in err
+    for raw, mb in (("512", 512.0), ("64M", 64.0), ("2G", 2048.0), ("1.5GiB", 1536.0)):
+        monkeypatch.setenv("ORACLE_CAPTURE_MODULES_BUDGET_MB", raw)
+        assert autocapture._budget_mb() == mb
+    monkeypatch.setenv("ORACLE_CAPTURE_MODULES_BUDGET_MB", "lots")
+    with pytest.raises(ValueError, match="ORACLE_CAPTURE_MODULES_BUDGET_MB='lots' is not a size in MiB"):
+        autocapture._budget_mb()

@@ -21,6 +21,13 @@ def test_identical_gradients_score_zero(oracle_bundle):
     assert c["verdict"]["class"] == "within_noise" and c["verdict"]["onset"] is None
 
 
+def test_the_text_report_states_the_loss_check_when_it_agrees(fp32_capture, oracle_bundle):
+    from oracle.report.text import render
+
+    text = render(score(oracle_bundle, [fp32_capture]))
+    assert "  loss: the loss agrees with the replay within the band" in text, text
+
+
 def test_a_5_percent_error_in_one_parameter_is_reported_worst(fp32_capture, oracle_bundle, band, tmp_path):
     target = "model.language_model.layers.2.mlp.up_proj.weight"
     bad = rewrite_grads(fp32_capture, str(tmp_path / "bad"), lambda n, g: g * 1.05 if n == target else g)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_split_within
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -40,19 +41,8 @@ def _split(cap, out, nproc=2):
 
 
 def _assert_within(split: Bundle, one: Bundle, ranks: int):
-    rec = split.get("token_parallel")
-    assert split.kind == "oracle" and rec["ranks"] == ranks and rec["bound_rel"] == BOUND
-    covered = sorted(i for spans in rec["rows"] for a, b in spans for i in range(a, b))
-    assert covered == list(range(rec["tokens"]))  # every token on exactly one rank
+    assert_split_within(split, one, ranks, BOUND)
     assert split.get("numerics") == one.get("numerics")  # the same casts promoted: float64 throughout
-    assert split.get("loss")["value"] == pytest.approx(one.get("loss")["value"], rel=BOUND, abs=0)
-    gs, go = split.load_group("grads"), one.load_group("grads")
-    assert set(gs) == set(go)
-    assert all(gs[n].dtype == torch.float64 for n in gs)
-    worst = {n: float((gs[n] - go[n]).norm() / go[n].norm()) for n in go if go[n].norm() > 0}
-    assert max(worst.values()) <= BOUND, max(worst.items(), key=lambda kv: kv[1])
-    assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
-    assert split.get("backward_order") == one.get("backward_order")
 
 
 @pytest.fixture(scope="module")

@@ -250,12 +250,8 @@ def packed(cu_seqlens: torch.Tensor | Sequence[int]):
     """Within this block, causal calls of the registered attention treat the sequence as packed
     samples with these boundaries (``[0, l1, l1+l2, ..., T]``); non-causal calls (the ViT) ignore it."""
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    prev = getattr(_state, "cu", None)
-    _state.cu = cu
-    try:
+    with _swapped("cu", cu):
         yield
-    finally:
-        _state.cu = prev
 
 
 @contextlib.contextmanager
@@ -263,12 +259,19 @@ def rows_call(fn):
     """Within this block, causal calls of the registered attention go to ``fn(query, key, value,
     scale, chunk) -> (B, H, t, Dv)`` (a decoder layer run by row chunks, streaming/layers.py, which
     knows the chunk's rows and the whole sequence's keys); the mask checks above still apply."""
-    prev = getattr(_state, "rows", None)
-    _state.rows = fn
+    with _swapped("rows", fn):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(attr: str, value):
+    """``_state.<attr>`` set to ``value`` within the block, the previous value back after it."""
+    prev = getattr(_state, attr, None)
+    setattr(_state, attr, value)
     try:
         yield
     finally:
-        _state.rows = prev
+        setattr(_state, attr, prev)
 
 
 def softmax_scale(query: torch.Tensor, scaling) -> float:

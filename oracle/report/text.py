@@ -32,6 +32,8 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
         lines.append(f"== {c['name']}  [{c['precision']}]  loss {_f(c['loss'], '.10g')}  band: {c['band_kind']}")
         if c.get("coverage"):
             lines.append(f"  coverage: {c['coverage']['text']}")
+        if c.get("loss_check"):
+            lines.append(f"  loss: {c['loss_check']['text']}")
         metric = "norm_dev" if c["norms_only"] else "rel_l2"
         # non-finite tensors first, in backward order (where they appear first), then by excess
         nf = {n: i for i, n in enumerate(c["verdict"].get("nonfinite_params") or [])}

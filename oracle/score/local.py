@@ -97,6 +97,10 @@ def _score_row(r: dict[str, Any], floor: float, margin: float) -> dict[str, Any]
     r["beyond"] = r["ratio"] > margin
     fwd_beyond = (r["ratio_fwd"] or 0.0) > margin
     r["direction"] = ("forward" if fwd_beyond else "backward") if r["beyond"] else None
+    # what the verdict quotes: the forward output's ratio where the error is born in the forward (the
+    # gradients then inherit it), else the worse of the input gradients' and the parameter gradients'
+    back = [k for k in ("bwd", "param") if r[f"ratio_{k}"] is not None]
+    r["worst"] = "fwd" if fwd_beyond else max(back, key=lambda k: r[f"ratio_{k}"], default=None)
     r["class"] = BEYOND if r["beyond"] else WITHIN
     return r
 
@@ -119,8 +123,10 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
             text = (f"culprit: {c['module']} ({c['direction']}): non-finite values are born in its {where} "
                     f"from finite {'inputs' if c['direction'] == 'forward' else 'grad_outputs'}")  # fmt: skip
         else:
-            text = (f"culprit: {c['module']} ({c['direction']}): its {where} is {c['ratio']:.1f}x the error an honest "
-                    f"{emulated} run makes in this module alone")  # fmt: skip
+            what = {"fwd": "forward output", "bwd": "input gradients", "param": "parameter gradients"}.get(c.get("worst"), where)
+            ratio = c.get(f"ratio_{c.get('worst')}") or c["ratio"]
+            text = (f"culprit: {c['module']} ({c['direction']}): its {what} {'are' if what.endswith('s') else 'is'} "
+                    f"{ratio:.1f}x the error an honest {emulated} run makes in this module alone")  # fmt: skip
         text += f" ({len(culprits)} module(s) beyond the band)"
     else:
         worst = max(rows, key=lambda r: r["ratio"]) if rows else None

@@ -33,8 +33,9 @@ With several captures, per layer and overall: which one is closer to the truth.
 Loss: every capture that recorded its loss is compared with the oracle's replayed loss,
     loss_rel = |L_captured - L_replayed| / |L_replayed|,  band = margin x expected (the tolerance
     table's, for the capture's precision)
-and beyond it the verdict says "the replay is not the step that ran" (a dropped padded
-vocabulary, another loss convention, other inputs); it is a finding, not an error.
+and beyond it the verdict says the replay is not the step that ran (a dropped padded
+vocabulary, another loss convention, other inputs) or the device's forward is wrong (local replay
+tells them apart); it is a finding, not an error.
 Framework findings (merged Megatron captures whose TP replicas the framework never reduced): see
 framework.py; parameters whose copies do not add up to the truth leave the verdict and are listed.
 Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
@@ -291,7 +292,8 @@ def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | N
     rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
     band = margin * plan["tol"]["expected"]
     beyond = rel > band
-    text = (f"the replay is not the step that ran: loss differs by {rel:.2e} relative" if beyond
+    text = (f"the captured loss differs from the replay's by {rel:.2e} relative: either the replay is not the step "
+            "that ran (config, framework) or the device's forward is wrong; a local replay tells them apart" if beyond
             else f"the loss agrees with the replay within the band: {rel:.2e} relative")  # fmt: skip
     text += f" (captured {captured:.8g}, replayed {replayed:.8g}; band {band:.1e})"
     return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": beyond, "text": text}
@@ -429,7 +431,7 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
         text += " [norm-only capture: scored on norm ratio alone]"
     if cls == BEYOND and onset["layer"] == layer_rows[0]["name"]:
         # a forward fault perturbs the loss, so every gradient leaves the band from the loss end on
-        text += "; an onset at the loss end may be a forward fault: only a local replay (capture --modules) localises those"
+        text += "; an onset at the loss end may be a forward fault: only a local replay localises those (module boundaries: capture --modules, or ORACLE_CAPTURE_MODULES=layers on Megatron; then oracle replay --local)"
     if plan.get("band_warning"):
         text += f" [WARNING: {plan['band_warning']}]"
     return {"class": cls, "nonfinite_params": nonfinite, "band_warning": plan.get("band_warning"), "excess": worst["excess"], "worst_layer": worst["name"],

@@ -39,6 +39,7 @@ import importlib.abc
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from typing import Any
 
@@ -100,12 +101,29 @@ def patch(schedules) -> None:
     _state["patched"] = True
 
 
-def _target_step() -> int:
+def _target_step() -> int | None:
+    """The training call to capture; None (said once on stderr) when the variable is no integer:
+    nothing is captured and the training runs on, as it does for every other capture mistake."""
     raw = os.environ.get("ORACLE_CAPTURE_STEP", "0")
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"ORACLE_CAPTURE_STEP must be an integer (the training call to capture, 0 = first), got {raw!r}") from None
+        if not _state.get("bad_step"):
+            _state["bad_step"] = True
+            _say(f"ORACLE_CAPTURE_STEP must be an integer (the training call to capture, 0 = first), got {raw!r}: "
+                 "nothing will be captured; the training runs on")  # fmt: skip
+        return None
+
+
+def _budget_mb() -> float | None:
+    """``ORACLE_CAPTURE_MODULES_BUDGET_MB``: MiB, a plain number or with a unit (``512``, ``64M``, ``2G``)."""
+    raw = os.environ.get("ORACLE_CAPTURE_MODULES_BUDGET_MB", "").strip()
+    if not raw:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([MG]i?B?)?", raw, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"ORACLE_CAPTURE_MODULES_BUDGET_MB={raw!r} is not a size in MiB (e.g. 512, 64M or 2G)")
+    return float(m[1]) * (1024 if (m[2] or "M").upper().startswith("G") else 1)
 
 
 def _wrap(fbf):
@@ -188,12 +206,11 @@ def _captured_call(fbf, args, kwargs, n):
     if os.environ.get("ORACLE_CAPTURE_MODULES"):
         from .hook import record_modules
 
-        budget = os.environ.get("ORACLE_CAPTURE_MODULES_BUDGET_MB")
         try:
-            recorder = record_modules(chunks[0], os.environ["ORACLE_CAPTURE_MODULES"],
-                                      budget_mb=float(budget) if budget else None)  # fmt: skip
+            budget = _budget_mb()
+            recorder = record_modules(chunks[0], os.environ["ORACLE_CAPTURE_MODULES"], budget_mb=budget)
         except ValueError as e:  # the step runs and is captured without boundaries; the run is never stopped
-            _say(f"ORACLE_CAPTURE_MODULES: {e}; capturing without module boundaries")
+            _say(f"{e}; capturing without module boundaries")
 
     def write(stage):
         losses = store.get("losses", [])
@@ -240,6 +257,8 @@ def _report_at_exit() -> None:
         return  # a captured step, or not a training rank (a launcher, a pip subprocess ...)
     if not _state["patched"]:
         why = f"{SCHEDULES} was never imported (not a megatron-core training loop?)"
+    elif _target_step() is None:
+        why = f"ORACLE_CAPTURE_STEP={os.environ.get('ORACLE_CAPTURE_STEP')!r} is no integer"
     elif _state["calls"] <= _target_step():
         why = (f"the training loop ran {_state['calls']} forward-backward call(s), "
                f"ORACLE_CAPTURE_STEP={_target_step()} was never reached")  # fmt: skip

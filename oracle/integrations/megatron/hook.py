@@ -37,6 +37,7 @@ reading a pytree spec written by another torch.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,6 +74,11 @@ def module_selection(model: nn.Module, selection: str) -> list[str]:
     if parts and all(x in MODULE_PRESETS for x in parts):
         pattern = "|".join(f"(?:{MODULE_PRESETS[x]})" for x in parts)
     else:
+        near = [p for x in parts for p in difflib.get_close_matches(x, MODULE_PRESETS, n=1, cutoff=0.75) if p != x]
+        if near and all(re.fullmatch(r"[A-Za-z_]+", x) for x in parts):  # 'layer' for 'layers': a typo, not a regex
+            raise ValueError(f"module selection {selection!r} is no preset: did you mean {', '.join(near)!r}? (a regex "
+                             "over module names is taken when it is not a near-miss of a preset: write it as one, "
+                             "e.g. 'layers\\.\\d+$')")  # fmt: skip
         pattern = selection
     try:
         re.compile(pattern)
