@@ -9,15 +9,17 @@ import torch
 from oracle.bundle.store import Bundle, BundleWriter
 
 
-def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> str:
-    """Copy bundle ``src`` to ``dst`` with every gradient g of parameter n replaced by fn(n, g)."""
+def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Tensor | None],
+                  extra: dict[str, torch.Tensor] | None = None) -> str:  # fmt: skip
+    """Copy bundle ``src`` to ``dst`` with every gradient g of parameter n replaced by fn(n, g)
+    (dropped where fn returns None), plus the gradients in ``extra``."""
     b = Bundle(src)
     with BundleWriter(dst, b.kind) as w:
         w.manifest.update({k: v for k, v in b.manifest.items() if k not in ("tensors", "schema_version", "kind")})
         for group in b.groups():
             tensors = b.load_group(group)
             if group == "grads":
-                tensors = {n: fn(n, g) for n, g in tensors.items()}
+                tensors = {n: h for n, g in tensors.items() if (h := fn(n, g)) is not None} | (extra or {})
             w.add(group, tensors)
     return dst
 
@@ -40,3 +42,20 @@ def assert_split_within(split: Bundle, one: Bundle, ranks: int, bound: float) ->
     assert max(worst.values()) <= bound, max(worst.items(), key=lambda kv: kv[1])
     assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
     assert split.get("backward_order") == one.get("backward_order")
+
+
+def packed_vl_capture(root) -> str:
+    """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, captured in fp32 under ``root``."""
+    import copy
+
+    from oracle import recipe as recipes
+    from oracle.capture.steps import capture_recipe_step
+
+    r = recipes.get("qwen3-vl")
+    s = r.default_sample()
+    s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
+    s2["messages"][1]["content"], s2["messages"][2]["content"] = "Describe <image> briefly.", "Squares."
+    s3["messages"][2]["content"] = "A gradient from red to green with a checkerboard on top of it."
+    cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
+    assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
+    return cap

@@ -17,15 +17,7 @@ from oracle.score.scorer import score
 
 def subset(src: str, dst: str, keep, extra: dict[str, torch.Tensor] | None = None) -> str:
     """Copy capture ``src`` to ``dst`` keeping the gradients whose name passes ``keep`` (plus ``extra``)."""
-    b = Bundle(src)
-    with BundleWriter(dst, b.kind) as w:
-        w.manifest.update({k: v for k, v in b.manifest.items() if k not in ("tensors", "schema_version", "kind")})
-        for group in b.groups():
-            tensors = b.load_group(group)
-            if group == "grads":
-                tensors = {n: g for n, g in tensors.items() if keep(n)} | (extra or {})
-            w.add(group, tensors)
-    return dst
+    return rewrite_grads(src, dst, lambda n, g: g if keep(n) else None, extra)
 
 
 def test_a_capture_missing_half_its_gradients_is_incomplete_naming_them(fp32_capture, oracle_bundle, tmp_path):

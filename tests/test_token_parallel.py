@@ -3,7 +3,6 @@ and the loss within 1e-12 of the single process, bitwise repeatable, a killed ra
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_split_within
+from helpers import assert_split_within, packed_vl_capture
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -57,14 +56,8 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def packed_vl(tmp_path_factory):
     """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, and its oracle."""
-    r = recipes.get("qwen3-vl")
-    s = r.default_sample()
-    s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
-    s2["messages"][1]["content"], s2["messages"][2]["content"] = "Describe <image> briefly.", "Squares."
-    s3["messages"][2]["content"] = "A gradient from red to green with a checkerboard on top of it."
     root = tmp_path_factory.mktemp("tokens-vl")
-    cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
-    assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
+    cap = packed_vl_capture(root)
     return cap, replay(cap, root / "one", verify="off")
 
 

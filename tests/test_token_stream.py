@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_split_within
+from helpers import assert_split_within, packed_vl_capture
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -84,14 +84,8 @@ def qwen3(tmp_path_factory):
 def packed_vl(tmp_path_factory):
     """Three samples of the tiny Qwen3-VL (one image each) packed into one sequence, its streamed
     oracle and one streamed token-parallel replay."""
-    r = recipes.get("qwen3-vl")
-    s = r.default_sample()
-    s2, s3 = copy.deepcopy(s), copy.deepcopy(s)
-    s2["messages"][1]["content"], s2["messages"][2]["content"] = "Describe <image> briefly.", "Squares."
-    s3["messages"][2]["content"] = "A gradient from red to green with a checkerboard on top of it."
     root = tmp_path_factory.mktemp("tokens-stream-vl")
-    cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
-    assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
+    cap = packed_vl_capture(root)
     return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30)), _split(cap, root / "split")
 
 
