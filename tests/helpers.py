@@ -1,8 +1,10 @@
-"""Test helpers: rewrite a bundle's gradients (planting errors after the fact)."""
+"""Test helpers: rewrite a bundle's gradients (planting errors after the fact), the packed tiny
+captures several files share, a token-parallel oracle's check, a launcher's rank by pid."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -59,3 +61,37 @@ def packed_vl_capture(root) -> str:
     cap = capture_recipe_step(r.load("tiny-qwen3-vl"), [s, s2, s3], str(root / "cap"), precision="fp32")
     assert len(Bundle(cap).get("packing")["cu_seqlens"]) == 4
     return cap
+
+
+def env_of(pid: int) -> dict[str, str]:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in env if b"=" in x)
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child whose RANK is exactly ``rank`` (Linux /proc; LOCAL_RANK does not count)."""
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for c in children:
+        try:
+            if env_of(int(c)).get("RANK") == str(rank):
+                return int(c)
+        except OSError:
+            continue
+    return None
+
+
+def packed_text_capture(root, name: str = "packed") -> tuple[str, list[dict], object]:
+    """Three samples of the tiny Qwen3 packed into one sequence, captured in fp32 with the loss summed
+    under ``root / name``; with the samples and the source (to capture them alone)."""
+    import json
+
+    from oracle import recipe as recipes
+    from oracle.capture.steps import capture_recipe_step
+
+    src = recipes.get("qwen3").load("tiny-qwen3")
+    lines = (Path(__file__).parent.parent / "replays" / "qwen3" / "sample.jsonl").read_text().splitlines()
+    samples = [json.loads(x) for x in lines[:3]]
+    return capture_recipe_step(src, samples, str(root / name), reduction="sum"), samples, src

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import rank_pid
 from typer.testing import CliRunner
 
 from cli import app
@@ -93,7 +94,7 @@ def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
     killed, deadline = None, time.time() + 60
     while time.time() < deadline and p.poll() is None and killed is None:
         if journal.exists() and sum('"unit"' in x for x in journal.read_text().splitlines()) >= 2:
-            killed = _rank_pid(p.pid, 1)
+            killed = rank_pid(p.pid, 1)
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.005)
     _, err = p.communicate(timeout=60)
@@ -120,7 +121,7 @@ def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
     stopped, deadline = None, time.time() + 60
     while time.time() < deadline and p.poll() is None and stopped is None:
         if journal.exists():
-            stopped = _rank_pid(p.pid, 1)
+            stopped = rank_pid(p.pid, 1)
             os.kill(stopped, signal.SIGSTOP)
         time.sleep(0.005)
     assert stopped, "rank 1 finished before it could be stopped"
@@ -193,17 +194,3 @@ def test_nproc_relaunches_the_same_command(cap, tmp_path, monkeypatch):
     }
 
 
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of the launcher's child with RANK=rank (Linux /proc)."""
-    try:
-        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    except OSError:
-        return None
-    for c in children:
-        try:
-            env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return int(c)
-    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import packed_text_capture
 from typer.testing import CliRunner
 
 from cli import app
-from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
 from oracle.capture.steps import capture_recipe_step
 from oracle.errors import MismatchError, UsageError
@@ -128,10 +127,7 @@ def test_a_killed_streaming_replay_resumes_bitwise(fp32_capture, tmp_path, extra
 def packed(tmp_path_factory):
     """Three samples of the tiny Qwen3 packed into one sequence, and each captured alone (loss sum)."""
     root = tmp_path_factory.mktemp("packed")
-    r = recipes.get("qwen3")
-    src = r.load("tiny-qwen3")
-    samples = [json.loads(x) for x in (ROOT / "replays" / "qwen3" / "sample.jsonl").read_text().splitlines()[:3]]
-    cap = capture_recipe_step(src, samples, str(root / "packed"), reduction="sum")
+    cap, samples, src = packed_text_capture(root)
     alone = [capture_recipe_step(src, s, str(root / f"s{i}"), reduction="sum") for i, s in enumerate(samples)]
     return root, cap, alone
 

@@ -3,15 +3,13 @@ equal to the unchunked replay, several chunks per layer, across packed samples."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import packed_text_capture
 
-from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
-from oracle.capture.steps import capture_recipe_step
 from oracle.replay import attention
 from oracle.replay.run import replay
 from oracle.replay.streaming import layers
@@ -77,10 +75,7 @@ def test_row_chunked_layers_equal_the_in_memory_oracle(fp32_capture, tmp_path, s
 @pytest.fixture(scope="module")
 def packed_text(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed_layers")
-    r = recipes.get("qwen3")
-    src = r.load("tiny-qwen3")
-    samples = [json.loads(x) for x in (ROOT / "replays" / "qwen3" / "sample.jsonl").read_text().splitlines()[:3]]
-    return root, capture_recipe_step(src, samples, str(root / "packed"), reduction="sum")
+    return root, packed_text_capture(root)[0]
 
 
 def test_row_chunks_across_packed_samples_equal_the_unchunked_replay(packed_text, tmp_path, small_grid, chunk_calls):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_split_within, packed_vl_capture
+from helpers import assert_split_within, env_of, packed_vl_capture, rank_pid
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -150,9 +150,9 @@ def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     killed, store, deadline = None, None, time.time() + 90
     while time.time() < deadline and p.poll() is None and killed is None:
-        pid = _rank_pid(p.pid, 1)
+        pid = rank_pid(p.pid, 1)
         if pid and store is None:
-            port = _env_of(pid).get("MASTER_PORT")
+            port = env_of(pid).get("MASTER_PORT")
             try:
                 raw = torch.distributed.TCPStore("127.0.0.1", int(port), is_master=False, timeout=timedelta(seconds=5))
                 # the default group's keys, as init_process_group prefixes them (torch 2.13: "default_pg", then "0/")
@@ -170,21 +170,3 @@ def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
     assert not out.exists()
 
 
-def _env_of(pid: int) -> dict[str, str]:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(x.decode().split("=", 1) for x in env if b"=" in x)
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of the launcher's child with RANK=rank (Linux /proc)."""
-    try:
-        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    except OSError:
-        return None
-    for c in children:
-        try:
-            if _env_of(int(c)).get("RANK") == str(rank):
-                return int(c)
-        except OSError:
-            continue
-    return None
