@@ -93,7 +93,16 @@ def main() -> None:
         print(f"  2 ranks (tokens): {t2:7.2f} s wall, {c2:7.2f} s CPU, peak RSS {m2:.2f} GiB per rank (load average {l2:.1f} after; "
               "--split tokens --nproc 2)")  # fmt: skip
         print(f"  2 ranks again   : {t3:7.2f} s wall, {c3:7.2f} s CPU (load average {l3:.1f} after)")
-        print(f"  peak RSS per rank / 1 process: {m2 / m1:.2f} (the activations' share: 0.5 at 2 ranks)")
+        print(f"  peak RSS per rank / 1 process: {m2 / m1:.2f} (the whole process: interpreter, one unit's weights and")
+        print("    gradients, the gathered K/V are not split)")
+        if a.max_memory:  # the streamed runs' own accounts: boundary activations and the fixed part, per rank
+            s1, tp = one.get("streaming"), two.get("token_parallel")
+            act1 = s1["activations_in_memory_peak"] + s1["activations_spilled"]
+            print(f"  boundary activations per rank / 1 process: {', '.join(f'{x / act1:.2f}' for x in tp['activations'])} "
+                  f"(target about 1/2 = 0.50); 1 process {act1 / 2**30:.2f} GiB")  # fmt: skip
+            fixed1 = s1["fixed_estimate"]
+            print(f"  process + largest unit's need per rank / 1 process: "
+                  f"{', '.join(f'{x / fixed1:.2f}' for x in tp['fixed_estimate'])}")  # fmt: skip
         print(
             f"  speed-up {t1 / t2:.2f}x; parallel efficiency wall {t1 / (2 * t2):.2f}, CPU seconds {c1 / c2:.2f} (target >= 0.8)"
         )

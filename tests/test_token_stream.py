@@ -94,6 +94,10 @@ def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, t
     replay (measured ~1e-15), the same shards; a second run is bitwise the first; no work folder left."""
     cap, one, split = qwen3
     _assert_within(split, one, 2)
+    # each rank holds its rows' boundary activations: about half of the single process's each
+    s1, acts = one.get("streaming"), split.get("token_parallel")["activations"]
+    whole = s1["activations_in_memory_peak"] + s1["activations_spilled"]
+    assert len(acts) == 2 and all(0.4 * whole <= a <= 0.6 * whole for a in acts), (acts, whole)
     _bitwise(split, _split(cap, tmp_path / "again"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 

@@ -31,7 +31,10 @@ dtype; measured against eager float64: ~1e-16 relative (tests/test_attention.py 
 
 Memory: one (B, Hkv, chunk_q * H/Hkv, chunk_k) score block at a time (two in the backward: P
 and dS), plus O(T x H x D) accumulators; the backward adds dQ, dK, dV (the size of q, k, v).
-With chunk 512 and 32 query heads a float64 score block is 64 MiB.
+With chunk 512 and 32 query heads a float64 score block is 64 MiB. The blocks are written into
+buffers allocated once per call (``_into``: the same batched GEMM torch.matmul runs, with an
+``out``): a new 64 MiB block per key chunk would be a fresh mmap, faulted and zeroed by the kernel
+4 KiB at a time, for every key chunk of every query chunk.
 
 transformers: ``register()`` adds ``NAME`` ("oracle_chunked") to ``AttentionInterface`` and to
 ``AttentionMaskInterface`` (a mask function that builds no mask: it checks the pattern asked
@@ -102,6 +105,21 @@ def _causal_fill_(s: torch.Tensor, g: int, i0: int, i1: int, j0: int, j1: int, v
     return s
 
 
+def _buffer(q: torch.Tensor, Hkv: int, rows: int, cols: int) -> torch.Tensor:
+    """Room for the largest (B, Hkv, rows, cols) score block of a call, allocated once."""
+    return q.new_empty(q.shape[0] * Hkv * rows * cols)
+
+
+def _into(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, Hkv, n, D) @ b (B, Hkv, D, sk) written into the front of ``buf``, returned as a
+    (B, Hkv, n, sk) view: the batched GEMM torch.matmul folds these operands into (bitwise the same
+    product), with no new block allocated."""
+    B, Hkv, n, _ = a.shape
+    out = buf[: B * Hkv * n * b.shape[-1]].view(B, Hkv, n, b.shape[-1])
+    torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out=out.view(B * Hkv, n, b.shape[-1]))
+    return out
+
+
 def _grouped(q: torch.Tensor, Hkv: int) -> torch.Tensor:
     """(B, H, T, D) -> (B, Hkv, T, g, D), contiguous: a chunk of queries of all g heads sharing a kv
     head is then one (tq*g, D) matrix against that head's keys (no repeated k/v, no copy per block)."""
@@ -124,6 +142,7 @@ def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
     out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
     rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    sbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S))
     for seg in _segments(cu, causal, S if rows else T, S):
         for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
             a, b = i0 - q0, i1 - q0  # the chunk's rows in q
@@ -132,7 +151,7 @@ def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
             lsum = torch.zeros_like(m)
             acc = torch.zeros(*qi.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
             for j0, j1, needs_mask in ks:
-                s = torch.matmul(qi, k[:, :, j0:j1].transpose(-1, -2))  # (B, Hkv, tq*g, sk)
+                s = _into(sbuf, qi, k[:, :, j0:j1].transpose(-1, -2))  # (B, Hkv, tq*g, sk)
                 if needs_mask:
                     _causal_fill_(s, g, i0, i1, j0, j1, -math.inf)
                 m_new = torch.maximum(m, s.amax(-1))  # finite: every row sees its first key
@@ -160,6 +179,7 @@ def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0, dk=None,
     dk = torch.zeros_like(k) if dk is None else dk  # dS^T (q * scale): already scaled
     dv = torch.zeros_like(v) if dv is None else dv
     rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    pbuf, dsbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)), _buffer(q, Hkv, min(cq, T) * g, min(ck, S))
     for seg in _segments(cu, causal, S if rows else T, S):
         for i0, i1, ks in reversed(list(_blocks(seg, causal, cq, ck, rows))):
             n, a, b = (i1 - i0) * g, i0 - q0, i1 - q0
@@ -168,11 +188,11 @@ def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0, dk=None,
             dqi = dq[:, :, a:b].view(B, Hkv, n, D)
             for j0, j1, needs_mask in ks:
                 kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, sk, D)
-                p = torch.matmul(qi, kj.transpose(-1, -2)).sub_(li).exp_()  # (B, Hkv, tq*g, sk)
+                p = _into(pbuf, qi, kj.transpose(-1, -2)).sub_(li).exp_()  # (B, Hkv, tq*g, sk)
                 if needs_mask:
                     _causal_fill_(p, g, i0, i1, j0, j1, 0.0)
                 dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), doi)  # sums over queries and the g heads
-                ds = torch.matmul(doi, vj.transpose(-1, -2)).sub_(di).mul_(p)  # dS = P * (dP - Dlt)
+                ds = _into(dsbuf, doi, vj.transpose(-1, -2)).sub_(di).mul_(p)  # dS = P * (dP - Dlt)
                 dqi += torch.matmul(ds, kj)
                 dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qi)
     return _ungrouped(dq.mul_(scale)), dk, dv

@@ -52,7 +52,9 @@ def run_step(
     config = cap.manifest["recipe"]["config"]
     reduction = (cap.get("loss") or {}).get("reduction", "mean")
     build_mode = PrecisionMode(compute)
-    model = build_model(recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap))
+    model = build_model(
+        recipe, config, lambda n: cap.load("weights", n), compute, mode=build_mode, shapes=stored_shapes(cap), init=False
+    )
     inputs = load_inputs(cap, compute)
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
     use_replay_attention(model, round_to)

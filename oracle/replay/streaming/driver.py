@@ -206,6 +206,8 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
         total = token_parallel.sum_scalars(loss)
         order = token_split.merged_order(token_parallel.gather_lists(engine.order))
         peak = token_parallel.gather_ints(max_rss_bytes())
+        held = token_parallel.gather_ints(engine.store.peak_in_memory + engine.store.spilled_bytes)  # boundary activations
+        reserves = token_parallel.gather_ints(fixed)
         resumed = any(token_parallel.gather_ints(int(resumed_here)))
     skipped = sorted(engine.agreed or ())
     units = read_journal(work / member, "unit")
@@ -234,6 +236,7 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
             "ranks": ranks, "bound_rel": token_parallel.BOUND_REL, "tokens": T, "streamed": True,
             "rows": [[list(s) for s in token_parallel.spans_of(T, ranks, r)] for r in range(ranks)],
             "peak_rss": peak, "skipped_units": skipped,
+            "activations": held, "fixed_estimate": reserves,  # per rank: boundary activations (held + spilled), process + largest need
             "replicated": sorted({n.split(".visual.")[0] + ".visual" for rec in units for n in rec["entries"] if ".visual." in n}),
         }  # fmt: skip
         w.manifest.update(loss={**(cap.get("loss") or {}), "value": total}, backward_order=order, certificate=None,

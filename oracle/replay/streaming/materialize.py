@@ -25,34 +25,13 @@ import torch
 from torch import nn
 
 from ...bundle.store import Bundle
+from ...capture.steps import META
 from ...precision.mode import PrecisionMode
-
-META = torch.device("meta")
-
-
-@contextlib.contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Inside, every parameter a module registers is moved to the meta device at registration
-    (``torch.empty`` before it is lazily allocated and never touched; initialisers then run on meta,
-    a no-op). Buffers are untouched. The patch is removed on exit, always."""
-    original = nn.Module.register_parameter
-
-    def register(self, name, param):
-        original(self, name, param)
-        if param is not None and param.device != META:
-            p = self._parameters[name]
-            self._parameters[name] = type(p)(p.to(META), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def skeleton(recipe, config: dict[str, Any], dtype: torch.dtype, mode: PrecisionMode | None = None) -> nn.Module:
     """The recipe's module in ``dtype`` with parameters on meta and buffers computed (in ``mode``)."""
-    from ...capture.steps import default_dtype
+    from ...capture.steps import default_dtype, meta_parameters
 
     with default_dtype(dtype), meta_parameters(), mode or contextlib.nullcontext():
         model = recipe.build(dict(config))
