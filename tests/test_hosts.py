@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -62,7 +63,7 @@ class Hosts:
         r = _ip("netns", "add", self.ns["a"])
         if r.returncode != 0:
             pytest.skip(f"network namespaces cannot be made here (ip netns add: {r.stderr.strip()}): "
-                        "needs root or CAP_NET_ADMIN")  # fmt: skip
+                        "needs root (CAP_NET_ADMIN, and CAP_SYS_ADMIN for its mounts)")  # fmt: skip
         steps = [["netns", "add", self.ns["b"]],
                  ["link", "add", self.veth["a"], "type", "veth", "peer", "name", self.veth["b"]]]  # fmt: skip
         for h in "ab":
@@ -71,6 +72,9 @@ class Hosts:
                       ["-n", self.ns[h], "link", "set", self.veth[h], "up"], ["-n", self.ns[h], "link", "set", "lo", "up"]]  # fmt: skip
         for s in steps:
             r = _ip(*s)
+            if r.returncode != 0 and any(k in r.stderr for k in ("not permitted", "not supported", "Unknown device type")):
+                pytest.skip(f"a veth pair between network namespaces cannot be made here (ip {' '.join(s)}: "
+                            f"{r.stderr.strip()}): needs CAP_NET_ADMIN and veth support")  # fmt: skip
             assert r.returncode == 0, f"ip {' '.join(s)}: {r.stderr}"
         self.mnt.mkdir()
         (self.base / "src").mkdir()
@@ -195,7 +199,8 @@ def test_a_host_killed_mid_backward_resumes_bitwise(hosts, whole):
     res = hosts.run("k", {token_split.KILL_ENV: "1:3"})
     (ca, _, ea), (cb, _, eb) = res["a"], res["b"]
     assert ca != 0 and cb != 0, (ea[-2000:], eb[-2000:])
-    assert "error: rank 0: rank 1 of 2 left" in ea, ea[-3000:]
+    # at a broken gloo connection (seen every run) or, were rank 0 waiting in the store, by its watchdog
+    assert re.search(r"error: rank 0: rank 1 (of 2 left|stopped answering)", ea), ea[-3000:]
     assert f"exitcode  : {RankError.exit_code} " in ea, ea[-3000:]  # host A's rank: exit 11
     assert "exitcode  : -9" in eb and "SIGKILL" in eb, eb[-3000:]
     a, b = _names(hosts.dirs["a"]), _names(hosts.dirs["b"])
