@@ -1,5 +1,6 @@
 """Test helpers: rewrite a bundle's gradients (planting errors after the fact), the packed tiny
-captures several files share, a token-parallel oracle's check, a launcher's rank by pid."""
+captures several files share, a token-parallel oracle's checks (within the bound, bitwise), a
+launcher's rank by pid."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ def assert_split_within(split: Bundle, one: Bundle, ranks: int, bound: float) ->
     assert max(worst.values()) <= bound, max(worst.items(), key=lambda kv: kv[1])
     assert all(torch.equal(gs[n], go[n]) for n in go if go[n].norm() == 0)  # untouched rows stay exactly zero
     assert split.get("backward_order") == one.get("backward_order")
+
+
+def assert_bitwise(a: Bundle, b: Bundle) -> None:
+    """Two oracles of one step bitwise equal: the same gradients' bits and the same loss."""
+    ga, gb = a.load_group("grads"), b.load_group("grads")
+    assert set(ga) == set(gb)
+    assert [n for n in ga if not torch.equal(ga[n], gb[n])] == []
+    assert a.get("loss")["value"] == b.get("loss")["value"]
+
+
+def two_sample_qwen3_capture(root) -> str:
+    """The tiny Qwen3 (text), two samples packed, captured in fp32 under ``root / "cap"``."""
+    import copy
+
+    from oracle import recipe as recipes
+    from oracle.capture.steps import capture_recipe_step
+
+    r = recipes.get("qwen3")
+    s = r.default_sample()
+    s2 = copy.deepcopy(s)
+    s2["messages"][-1]["content"] = "Another answer, long enough to cross the ranks' blocks."
+    return capture_recipe_step(r.load("tiny-qwen3"), [s, s2], str(root / "cap"), precision="fp32")
 
 
 def packed_vl_capture(root) -> str:

@@ -5,19 +5,15 @@ finished) and ends bitwise equal to the uninterrupted run; per-rank budgets in t
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import assert_split_within, packed_vl_capture
+from helpers import assert_bitwise, assert_split_within, packed_vl_capture, two_sample_qwen3_capture
 
-from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
-from oracle.capture.steps import capture_recipe_step
 from oracle.errors import RankError, UsageError
 from oracle.parallel import token_parallel
 from oracle.replay import token_split
@@ -59,23 +55,12 @@ def _assert_within(split: Bundle, one: Bundle, ranks: int):
     }
 
 
-def _bitwise(a: Bundle, b: Bundle) -> None:
-    ga, gb = a.load_group("grads"), b.load_group("grads")
-    assert set(ga) == set(gb)
-    assert [n for n in ga if not torch.equal(ga[n], gb[n])] == []
-    assert a.get("loss")["value"] == b.get("loss")["value"]
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """The tiny Qwen3 (text), two samples packed, in fp32; its single-process streamed oracle and one
     streamed token-parallel replay."""
-    r = recipes.get("qwen3")
-    s = r.default_sample()
-    s2 = copy.deepcopy(s)
-    s2["messages"][-1]["content"] = "Another answer, long enough to cross the ranks' blocks."
     root = tmp_path_factory.mktemp("tokens-stream")
-    cap = capture_recipe_step(r.load("tiny-qwen3"), [s, s2], str(root / "cap"), precision="fp32")
+    cap = two_sample_qwen3_capture(root)
     one = Bundle(replay(cap, root / "one", max_memory=4 << 30))
     return cap, one, _split(cap, root / "split")
 
@@ -89,7 +74,7 @@ def packed_vl(tmp_path_factory):
     return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30)), _split(cap, root / "split")
 
 
-def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, tmp_path):
+def test_streamed_split_tiny_qwen3_within_the_bound_and_repeatsassert_bitwise(qwen3, tmp_path):
     """Two ranks, streamed: every gradient and the loss within 1e-12 of the single-process streamed
     replay (measured ~1e-15), the same shards; a second run is bitwise the first; no work folder left."""
     cap, one, split = qwen3
@@ -98,7 +83,7 @@ def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, t
     s1, acts = one.get("streaming"), split.get("token_parallel")["activations"]
     whole = s1["activations_in_memory_peak"] + s1["activations_spilled"]
     assert len(acts) == 2 and all(0.4 * whole <= a <= 0.6 * whole for a in acts), (acts, whole)
-    _bitwise(split, _split(cap, tmp_path / "again"))
+    assert_bitwise(split, _split(cap, tmp_path / "again"))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -112,7 +97,7 @@ def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_pat
 
 
 @pytest.mark.parametrize("kill", ["1:3", "0:3"])
-def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
+def test_a_rank_killed_mid_backward_resumesassert_bitwise(qwen3, tmp_path, kill):
     """ORACLE_TEST_KILL=R:N SIGKILLs rank R right after it journals its N-th unit (inside the backward:
     the head is the first, then decoder layers 3, 2: the other rank has journalled layer 3 by then,
     since layer 2's exchanges needed it): the launcher stops the other rank and exits 11
@@ -130,12 +115,12 @@ def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     rec = again.get("token_parallel")
     assert again.get("streaming")["resumed"] is True
     assert rec["skipped_units"] and all(u.startswith("model.layers.") for u in rec["skipped_units"]), rec
-    _bitwise(again, whole)
+    assert_bitwise(again, whole)
     assert again.get("backward_order") == whole.get("backward_order")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
+def test_a_rank_killed_in_the_vision_tower_resumesassert_bitwise(packed_vl, tmp_path):
     """Packed tiny Qwen3-VL: rank 1 SIGKILLed after its 7th unit (the head, the 4 decoder layers,
     the merger, ViT block 2). The ViT's backward exchanges nothing, so rank 0 may be several units
     further there, and its journal has dropped input gradients that rank 1 still needs (layer 2's,
@@ -148,7 +133,7 @@ def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
     assert r.returncode == RankError.exit_code and "rank 1 of 2 was killed by SIGKILL" in r.stderr, r.stderr[-3000:]
     again = _split(cap, out)
     assert again.get("streaming")["resumed"] is True
-    _bitwise(again, whole)
+    assert_bitwise(again, whole)
     assert again.get("backward_order") == whole.get("backward_order")
 
 

@@ -11,12 +11,15 @@ what the single process computes for that member or module (the same seeds, the 
 the result is bitwise the single-process one at the same thread count per process. Rank 0 writes
 the one bundle; the other ranks send their parts to it (safetensors bytes and JSON over gloo
 send/recv; no pickle), so nothing is assembled by hand and no shared file system is needed.
+Gloo listens on the interface that routes to MASTER_ADDR (``gloo_interface``; GLOO_SOCKET_IFNAME
+where the user set it), not on whatever the host's name resolves to (often loopback).
 
 Faults: every rank beats a heartbeat into the rendezvous store every HEARTBEAT_S; a watchdog
 thread on rank 0 watches all ranks, the others watch rank 0. A rank whose heartbeat has not moved
 for ``ORACLE_RANK_TIMEOUT`` seconds (default 60), or a store that no longer answers (rank 0 gone),
 stops this process with a message naming the rank and exit code ``RankError.exit_code`` (11);
-gloo's own timeout (the same value) bounds each transfer. Long computations never sit inside a
+gloo's own timeout (the same value) bounds each transfer. A gloo connection that breaks (a peer
+killed) stops this process at once, naming the rank whose heartbeat stopped (``silent_peers``). Long computations never sit inside a
 collective: a rank announces in the store that its parts are ready and sends only when rank 0
 asks for them, so the timeout is about silence, not about how long a rank computes.
 """
@@ -78,6 +81,7 @@ def init() -> bool:
     if dist.is_initialized():
         return True
     t = timeout_s()
+    gloo_interface()
     try:
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=t))
     except (RuntimeError, ValueError) as e:  # DistStoreError and friends: a rank missing, a wrong address
@@ -89,6 +93,67 @@ def init() -> bool:
     thread = threading.Thread(target=_watch, args=(store, rank(), world(), t), name="oracle-watchdog", daemon=True)
     thread.start()
     return True
+
+
+def _route_source(host: str) -> str | None:
+    """The local address this host's packets to ``host`` leave from (the kernel's route; a UDP
+    "connect" sends nothing), or None where ``host`` does not resolve or no route leads there."""
+    import socket
+
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _interface_of(ip: str) -> str | None:
+    """The name of the network interface holding address ``ip`` (Linux: SIOCGIFADDR for IPv4,
+    /proc/net/if_inet6 for IPv6), or None where that cannot be told."""
+    import ipaddress
+    import socket
+
+    try:
+        want = ipaddress.ip_address(ip.split("%")[0])
+        if want.version == 6:
+            for line in Path("/proc/net/if_inet6").read_text().splitlines():
+                f = line.split()
+                if len(f) >= 6 and ipaddress.ip_address(bytes.fromhex(f[0])) == want:
+                    return f[5]
+            return None
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    r = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:  # an interface without an IPv4 address
+                    continue
+                if ipaddress.ip_address(r[20:24]) == want:
+                    return name
+    except (OSError, ValueError, ImportError):
+        return None
+    return None
+
+
+def gloo_interface() -> str | None:
+    """Point gloo at the interface that routes to MASTER_ADDR (``GLOO_SOCKET_IFNAME``, unless set).
+    Left alone, gloo advertises to its peers the address this host's *name* resolves to, and falls
+    back to loopback where that address cannot be bound; on a host whose name resolves to 127.0.0.1
+    or 127.0.1.1 (a common /etc/hosts) the other machines are then told to connect to their own
+    loopback and the rendezvous never completes. The interface holding the source address of the
+    route to MASTER_ADDR is one every peer reaches, since MASTER_ADDR must be reachable from every
+    host (README, Several machines); where it cannot be told, gloo's own choice stays."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not os.environ.get("MASTER_ADDR"):
+        return os.environ.get("GLOO_SOCKET_IFNAME")
+    src = _route_source(os.environ["MASTER_ADDR"])
+    name = _interface_of(src) if src else None
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
 
 
 def _die(msg: str) -> None:
@@ -153,8 +218,37 @@ def collectives(what: str):
     except RuntimeError as e:
         text = str(e)
         if world() > 1 and any(k in text.lower() for k in ("gloo", "connection closed", "connection reset", "timed out")):
-            _die(f"a peer left during {what} ({text.splitlines()[0][:200]}); the run is stopped; run the same command again")
+            lost = silent_peers()
+            who = (f"{'ranks' if len(lost) > 1 else 'rank'} {', '.join(map(str, lost))} of {world()} left (no heartbeat "
+                   f"since the connection broke)" if lost else "a peer left")  # fmt: skip
+            _die(f"{who} during {what} ({text.splitlines()[0][:200]}); the run is stopped; run the same command again "
+                 "to resume from the journals")  # fmt: skip
         raise
+
+
+def silent_peers(wait: float = 3 * HEARTBEAT_S) -> list[int]:
+    """The other ranks whose heartbeat does not move within ``wait`` seconds (a live rank beats every
+    HEARTBEAT_S): who is gone when a gloo connection breaks. Gloo's error names only the peer's
+    address, which several ranks of one host share; the heartbeats name the rank. Empty where the
+    store does not answer (it lives in rank 0 or its launcher) or every peer still beats."""
+    store = _STATE.get("store")
+    if store is None:
+        return []
+    peers = [p for p in range(world()) if p != rank()]
+
+    def beats() -> dict[int, bytes]:
+        return {p: store.get(f"oracle/hb/{p}") if store.check([f"oracle/hb/{p}"]) else b"" for p in peers}
+
+    try:
+        first, silent = beats(), set(peers)
+        deadline = time.monotonic() + wait
+        while silent and time.monotonic() < deadline:
+            time.sleep(HEARTBEAT_S / 5)
+            now = beats()
+            silent = {p for p in silent if now[p] == first[p]}
+    except Exception:  # the store is gone too
+        return []
+    return sorted(silent)
 
 
 def barrier(tag: str) -> None:
