@@ -74,7 +74,7 @@ def packed_vl(tmp_path_factory):
     return cap, Bundle(replay(cap, root / "one", max_memory=4 << 30)), _split(cap, root / "split")
 
 
-def test_streamed_split_tiny_qwen3_within_the_bound_and_repeatsassert_bitwise(qwen3, tmp_path):
+def test_streamed_split_tiny_qwen3_within_the_bound_and_repeats_bitwise(qwen3, tmp_path):
     """Two ranks, streamed: every gradient and the loss within 1e-12 of the single-process streamed
     replay (measured ~1e-15), the same shards; a second run is bitwise the first; no work folder left."""
     cap, one, split = qwen3
@@ -97,7 +97,7 @@ def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_pat
 
 
 @pytest.mark.parametrize("kill", ["1:3", "0:3"])
-def test_a_rank_killed_mid_backward_resumesassert_bitwise(qwen3, tmp_path, kill):
+def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     """ORACLE_TEST_KILL=R:N SIGKILLs rank R right after it journals its N-th unit (inside the backward:
     the head is the first, then decoder layers 3, 2: the other rank has journalled layer 3 by then,
     since layer 2's exchanges needed it): the launcher stops the other rank and exits 11
@@ -120,7 +120,7 @@ def test_a_rank_killed_mid_backward_resumesassert_bitwise(qwen3, tmp_path, kill)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_a_rank_killed_in_the_vision_tower_resumesassert_bitwise(packed_vl, tmp_path):
+def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
     """Packed tiny Qwen3-VL: rank 1 SIGKILLed after its 7th unit (the head, the 4 decoder layers,
     the merger, ViT block 2). The ViT's backward exchanges nothing, so rank 0 may be several units
     further there, and its journal has dropped input gradients that rank 1 still needs (layer 2's,
