@@ -1,16 +1,17 @@
 """Where the streamed replay's system time goes (issue 19 item 5), measured side by side in one run.
 
-    python benchmarks/streaming_sys.py [--tokens 4096] [--threads 1] [--dir DIR]
+    python benchmarks/streaming_sys.py [--tokens 4096] [--threads 2] [--dir DIR]
 
 Benchmark b's capture (benchmarks/streaming.py: Qwen3 text hidden 512, 8 layers, vocab 32000) is
-replayed in float64 three times, each in its own process: in memory, streamed (``--max-memory`` at
-40 % of the in-memory peak) as before this fix (``ORACLE_HUGE_PAGES=0``), and streamed as the command
-runs now: restarted with glibc's malloc putting its mmapped chunks on transparent huge pages
-(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, oracle/replay/streaming/pages.py). Printed per run: wall, user and
-system seconds, minor page faults (getrusage of the child), peak RSS; and whether the three
-gradient sets are bitwise equal. The streamed replay pins malloc's mmap threshold at 1 MiB
-(engine.tame_malloc, so freed weights leave the process): every tensor above it is a fresh mmap,
-page-faulted and zeroed 4 KiB at a time, and returned at its free; the minor-fault count shows it.
+replayed in float64 four times, each in its own process: in memory; streamed (``--max-memory`` at
+40 % of the in-memory peak) with glibc's mmap threshold pinned at 1 MiB and malloc on transparent
+huge pages (the previous default: ``ORACLE_MALLOC_MMAP_MB=1 ORACLE_HUGE_PAGES=1``); streamed as the
+command runs now (threshold 32 MiB, 4 KiB pages; engine.tame_malloc); and now with huge pages asked
+for (``ORACLE_HUGE_PAGES=1``, oracle/replay/streaming/pages.py). Printed per run: wall, user and system
+seconds, minor page faults (getrusage of the child), peak RSS; and whether the gradient sets of the
+streamed runs are bitwise equal (they run the same ops; the in-memory one differs by the row-chunked
+layers' weight-gradient sums, <= 1e-12). Below the threshold a freed tensor's memory is reused from
+the heap; above it every tensor is a fresh mmap, faulted and zeroed 4 KiB at a time.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def timed(args: list[str], env: dict[str, str] | None = None) -> dict[str, float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=None)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,21 +66,28 @@ def main() -> None:
         load0 = os.getloadavg()[0]
         mem = timed([*common, "--out", str(d / "mem")])
         budget = str(int(0.4 * mem["peak"]))
-        streamed = timed([*common, "--out", str(d / "str"), "--max-memory", budget], env={"ORACLE_HUGE_PAGES": "0"})  # before
-        huge = timed([*common, "--out", str(d / "huge"), "--max-memory", budget])  # the command as it runs now
-        o, s, h = Bundle(d / "mem"), Bundle(d / "str"), Bundle(d / "huge")
-        equal = all(torch.equal(o.load("grads", n), s.load("grads", n)) and torch.equal(o.load("grads", n), h.load("grads", n))
-                    for n in o.names("grads"))  # fmt: skip
+        streamed = [*common, "--max-memory", budget]
+        runs = {
+            "in memory": mem,
+            "streamed, 1 MiB + huge pages (before)": timed([*streamed, "--out", str(d / "before")],
+                                                           env={"ORACLE_MALLOC_MMAP_MB": "1", "ORACLE_HUGE_PAGES": "1"}),
+            "streamed, 32 MiB (now)": timed([*streamed, "--out", str(d / "now")], env={"ORACLE_HUGE_PAGES": "0"}),
+            "streamed, 32 MiB + huge pages": timed([*streamed, "--out", str(d / "huge")], env={"ORACLE_HUGE_PAGES": "1"}),
+        }  # fmt: skip
+        b, n, h = (Bundle(d / x) for x in ("before", "now", "huge"))
+        equal = all(torch.equal(n.load("grads", k), b.load("grads", k)) and torch.equal(n.load("grads", k), h.load("grads", k))
+                    for k in n.names("grads"))  # fmt: skip
         print(f"streaming sys time: Qwen3 text hidden 512, 8 layers, vocab 32000, {a.tokens} tokens, {a.threads} thread(s); "
-              f"{os.cpu_count()} cores, load average {load0:.1f} before")  # fmt: skip
-        for name, r in (("in memory", mem), (f"streamed {int(budget) / 2**30:.2f} GiB, before", streamed),
-                        ("streamed, huge pages (now)", huge)):  # fmt: skip
-            print(f"  {name:30s}: {r['wall']:7.1f} s wall, {r['user']:7.1f} s user, {r['sys']:6.1f} s sys, "
+              f"{os.cpu_count()} cores, load average {load0:.1f} before; streamed at {int(budget) / 2**30:.2f} GiB")  # fmt: skip
+        for name, r in runs.items():
+            print(f"  {name:38s}: {r['wall']:7.1f} s wall, {r['user']:7.1f} s user, {r['sys']:6.1f} s sys, "
                   f"{r['minflt'] / 1e6:6.2f} M minor faults, peak {r['peak'] / 2**30:.2f} GiB (load {r['load']:.1f} after)")  # fmt: skip
-        print(f"  streamed / in memory: sys {streamed['sys'] / mem['sys']:.2f}x, faults {streamed['minflt'] / mem['minflt']:.2f}x; "
-              f"huge pages / streamed: sys {huge['sys'] / streamed['sys']:.2f}x, faults {huge['minflt'] / streamed['minflt']:.2f}x, "
-              f"wall {huge['wall'] / streamed['wall']:.2f}x, CPU {(huge['user'] + huge['sys']) / (streamed['user'] + streamed['sys']):.2f}x")  # fmt: skip
-        print(f"  all three gradient sets bitwise equal: {equal}")
+        before, now, huge = (runs[k] for k in list(runs)[1:])
+        print(f"  now / before: wall {now['wall'] / before['wall']:.2f}x, sys {now['sys'] / before['sys']:.2f}x, "
+              f"faults {now['minflt'] / before['minflt']:.2f}x; huge pages / now: sys {huge['sys'] / now['sys']:.2f}x, "
+              f"faults {huge['minflt'] / now['minflt']:.2f}x, wall {huge['wall'] / now['wall']:.2f}x; "
+              f"now / in memory: wall {now['wall'] / mem['wall']:.2f}x, sys {now['sys'] / mem['sys']:.2f}x")  # fmt: skip
+        print(f"  the three streamed gradient sets bitwise equal: {equal}")
 
 
 if __name__ == "__main__":
