@@ -5,6 +5,7 @@ module imports itself back through another, lazy imports inside functions includ
 from __future__ import annotations
 
 import ast
+import contextlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,3 +150,42 @@ def test_the_checker_sees_a_planted_cycle_and_an_upward_import():
     planted.setdefault("oracle.bundle.store", set()).add("oracle.replay.run")
     assert _cycle({m: {d for d in ds if d not in FACE} for m, ds in planted.items() if m not in FACE}) is not None
     assert _tier("oracle.replay.run") > _tier("oracle.bundle.store")
+
+
+def _oracle_imports(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "oracle" and node.level == 0:
+            yield node.module, [a.name for a in node.names]
+
+
+def test_benchmarks_and_the_code_they_run_in_children_import_what_exists():
+    """Every ``from oracle... import name`` in benchmarks/*.py, including the Python code they hand to
+    child processes as strings (benchmark b's by-hand replay broke silently when the package moved),
+    names a module and an attribute that exist."""
+    import importlib
+
+    missing, seen = [], 0
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        trees = [tree]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+                with contextlib.suppress(SyntaxError):
+                    trees.append(ast.parse(node.value))
+        for t in trees:
+            for module, names in _oracle_imports(t):
+                seen += 1
+                try:
+                    mod = importlib.import_module(module)
+                except ImportError as e:
+                    missing.append(f"{path.name}: {module} ({e})")
+                    continue
+                for n in names:
+                    if n == "*" or hasattr(mod, n):
+                        continue
+                    try:  # a submodule named in the import
+                        importlib.import_module(f"{module}.{n}")
+                    except ImportError:
+                        missing.append(f"{path.name}: {module}.{n}")
+    assert seen > 20, seen  # the walk found the benchmarks' imports (strings included)
+    assert not missing, missing
