@@ -72,23 +72,22 @@ JOURNAL = "journal.jsonl"
 DROPPED = object()  # a call's input gradients, dropped from the journal once nothing needs them
 
 
-MMAP_MB = 32  # glibc's own ceiling for its dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+MMAP_MB = 1  # the default: freed tensors above 1 MiB leave the process, so the budget's estimate holds
 
 
 def tame_malloc() -> None:
-    """Pin glibc's mmap threshold (``ORACLE_MALLOC_MMAP_MB``, default 32 MiB) and its trim threshold
-    (twice that), so that what the process holds is what the budget counts, without paying the
-    kernel for every tensor.
+    """Pin glibc's mmap threshold (``ORACLE_MALLOC_MMAP_MB``, default 1 MiB) and its trim threshold
+    (twice that), so that what the process holds is what the budget counts.
 
     Left alone, glibc raises its threshold after large frees (up to 32 MiB), so freed weights of
-    that size stay in the heap and RSS only grows. Pinned at 1 MiB (before), every tensor above it
-    was a fresh mmap, page-faulted and zeroed 4 KiB at a time and unmapped at its free: measured on
-    benchmark b's shape (Qwen3 text hidden 512, 8 layers, 4096 tokens, 2 threads, budget 3.02 GiB),
-    14.2 M minor faults and 32-35 s of system time in a 57-60 s replay. Pinned at 32 MiB, tensors
-    below it are reused from the heap (1.9 M faults, 6-7 s of system time, 36-41 s), tensors above
-    it (a layer's weights and activations at 8B shapes) are still mmapped and returned when freed,
-    and ``_trim`` hands the heap's free pages back after every unit's backward, so the budget's
-    estimate stays the process's peak (benchmarks/streaming_sys.py measures all of it)."""
+    that size stay in the heap and RSS only grows. Pinned at 1 MiB, every tensor above it is a fresh
+    mmap, page-faulted and zeroed 4 KiB at a time and unmapped at its free: measured on benchmark b's
+    shape (Qwen3 text hidden 512, 8 layers, 4096 tokens, 2 threads) 63.6 s against 42.6 s pinned at
+    32 MiB (benchmarks/streaming_sys.py). But at 32 MiB the heap keeps the freed tensors below it:
+    on Qwen3-VL-8B's shapes (benchmarks/user_step.py cut, 2048 tokens) the peak rose from 5.14 GiB
+    (1 MiB; the budget's estimate 4.95 GiB = 0.96x) to 6.02 GiB (0.82x) for 0.86x the time, and
+    a budget is a promise. So 1 MiB stays the default; 32 MiB is for a budget with room to spare.
+    ``_trim`` hands the heap's free pages back after every unit's backward either way."""
     value = os.environ.get("ORACLE_MALLOC_MMAP_MB", "")
     mb = int(value) if value.isdigit() and int(value) > 0 else MMAP_MB  # a malformed value: the default
     try:
