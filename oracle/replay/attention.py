@@ -105,15 +105,28 @@ def _causal_fill_(s: torch.Tensor, g: int, i0: int, i1: int, j0: int, j1: int, v
     return s
 
 
+def exact() -> bool:
+    """No rounding PrecisionMode is active (the float64 oracle, or no mode): writing a block into a
+    buffer (``out=``) or in place gives the same bits as the out-of-place op. An emulated replay's mode
+    rounds (and jitters) every op's result; an op writing into ``out=`` would escape that, so there
+    the ops stay out of place."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    return mode is None or getattr(mode, "round_to", None) is None
+
+
 def _buffer(q: torch.Tensor, Hkv: int, rows: int, cols: int) -> torch.Tensor:
     """Room for the largest (B, Hkv, rows, cols) score block of a call, allocated once."""
     return q.new_empty(q.shape[0] * Hkv * rows * cols)
 
 
-def _into(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _into(buf: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (B, Hkv, n, D) @ b (B, Hkv, D, sk) written into the front of ``buf``, returned as a
     (B, Hkv, n, sk) view: the batched GEMM torch.matmul folds these operands into (bitwise the same
-    product), with no new block allocated."""
+    product), with no new block allocated. ``buf`` None (an emulated replay, ``exact``): torch.matmul."""
+    if buf is None:
+        return torch.matmul(a, b)
     B, Hkv, n, _ = a.shape
     out = buf[: B * Hkv * n * b.shape[-1]].view(B, Hkv, n, b.shape[-1])
     torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out=out.view(B * Hkv, n, b.shape[-1]))
@@ -142,7 +155,7 @@ def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
     out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
     rows = None if q0 == 0 and T == S else (q0, q0 + T)
-    sbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S))
+    sbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if q.dtype == torch.float64 and exact() else None
     for seg in _segments(cu, causal, S if rows else T, S):
         for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
             a, b = i0 - q0, i1 - q0  # the chunk's rows in q
@@ -179,7 +192,9 @@ def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0, dk=None,
     dk = torch.zeros_like(k) if dk is None else dk  # dS^T (q * scale): already scaled
     dv = torch.zeros_like(v) if dv is None else dv
     rows = None if q0 == 0 and T == S else (q0, q0 + T)
-    pbuf, dsbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)), _buffer(q, Hkv, min(cq, T) * g, min(ck, S))
+    fast = q.dtype == torch.float64 and exact()
+    pbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if fast else None
+    dsbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if fast else None
     for seg in _segments(cu, causal, S if rows else T, S):
         for i0, i1, ks in reversed(list(_blocks(seg, causal, cq, ck, rows))):
             n, a, b = (i1 - i0) * g, i0 - q0, i1 - q0

@@ -33,7 +33,7 @@ target logit comes from the rank holding it, and the gradient of hidden is summe
 
 Memory: O(rows x chunk) for one logit block (default 4096 x 4096: 128 MiB in float64) plus
 O(N) row statistics; the backward's gradients are the size of hidden and weight. In an exact
-replay (float32/float64, no emulating PrecisionMode active: ``_exact``) the logit block and the
+replay (the float64 oracle: ``_exact``) the logit block and the
 per-block products dZ weight[C], dZ^T hidden[R] are written into buffers allocated once per call
 and the elementwise steps run in place: the same ops on the same values in the same order (bitwise
 the same loss and gradients), without a fresh 128 MiB allocation per op, which the kernel faults
@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..capture.packing import IGNORE
 from ..errors import RecipeError
+from .attention import exact
 
 CHUNK = 4096
 ROW_CHUNK = 4096
@@ -92,15 +93,12 @@ def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _exact(hidden: torch.Tensor, weight) -> bool:
-    """Buffers and in-place steps are used: plain float32/float64 tensors and no PrecisionMode that
-    rounds (an emulated replay's mode rounds every op's result; its ops stay as they are)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    mode = _get_current_dispatch_mode()
-    if mode is not None and getattr(mode, "round_to", None) is not None:
-        return False
+    """Buffers and in-place steps are used: the float64 oracle only (plain float64 tensors, no
+    PrecisionMode that rounds: attention.exact). Emulated replays compute in float32 under a mode that
+    rounds and jitters every op's result, and keep their out-of-place ops exactly as before."""
     w_ok = isinstance(weight, RowSource) or type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter
-    return type(hidden) in (torch.Tensor, torch.nn.Parameter) and w_ok and hidden.dtype in (torch.float32, torch.float64)
+    plain = type(hidden) in (torch.Tensor, torch.nn.Parameter) and w_ok and hidden.dtype == torch.float64
+    return plain and exact()
 
 
 class _Buffers:
@@ -144,16 +142,20 @@ class _HeadLoss(torch.autograd.Function):
                 else:
                     z = _logits(hidden[r0:r1], w)  # (r, c)
                 m_new = torch.maximum(m[r0:r1], z.amax(-1))
+                if fast is not None:  # the target is read before z is overwritten in place
+                    lab = labels[r0:r1]
+                    rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
+                    target[r0 + rows] = z[rows, lab[rows] - v0]
+                    s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + z.sub_(m_new.unsqueeze(-1)).exp_().sum(-1)
+                    m[r0:r1] = m_new
+                    continue
+                # emulated replays: the ops in their order of old (each op's rounding and jitter drawn in turn)
+                s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + torch.exp(z - m_new.unsqueeze(-1)).sum(-1)
+                m[r0:r1] = m_new
                 lab = labels[r0:r1]
                 inside = (lab >= v0) & (lab < v1)  # (r,)
                 rows = inside.nonzero().reshape(-1)
-                target[r0 + rows] = z[rows, lab[rows] - v0]  # read before z is overwritten below
-                if fast is not None:
-                    e = z.sub_(m_new.unsqueeze(-1)).exp_().sum(-1)
-                else:
-                    e = torch.exp(z - m_new.unsqueeze(-1)).sum(-1)
-                s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + e
-                m[r0:r1] = m_new
+                target[r0 + rows] = z[rows, lab[rows] - v0]
         if group is not None:  # the shards' running (max, sum) combined exactly as chunks are
             m_all = m.clone()
             dist.all_reduce(m_all, dist.ReduceOp.MAX, group)
@@ -185,9 +187,9 @@ class _HeadLoss(torch.autograd.Function):
             gc = torch.zeros_like(w) if source is not None else None  # grad_weight[C], given away when final
             for r0, r1 in _spans(n, row_chunk):
                 h = hidden[r0:r1]
-                lab = labels[r0:r1]
-                rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
                 if fast is not None:  # the same steps in place, in the call's buffers
+                    lab = labels[r0:r1]
+                    rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
                     dz = _mm(fast.get("z", r1 - r0, v1 - v0), h, w.T).sub_(lse[r0:r1].unsqueeze(-1)).exp_()
                     dz[rows, lab[rows] - v0] -= 1
                     dz.mul_(scale[r0:r1].unsqueeze(-1))
@@ -201,6 +203,8 @@ class _HeadLoss(torch.autograd.Function):
                             gc += dw
                     continue
                 dz = torch.exp(_logits(h, w) - lse[r0:r1].unsqueeze(-1))  # (r, c): softmax probabilities
+                lab = labels[r0:r1]
+                rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
                 dz[rows, lab[rows] - v0] -= 1
                 dz = (dz * scale[r0:r1].unsqueeze(-1)).to(hidden.dtype)
                 if gh is not None:
