@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_bitwise, assert_split_within, packed_vl_capture, two_sample_qwen3_capture
+from helpers import assert_bitwise, assert_split_within, packed_text_capture, packed_vl_capture, two_sample_qwen3_capture
 
 from oracle.bundle.store import Bundle
 from oracle.errors import RankError, UsageError
 from oracle.parallel import token_parallel
+from oracle.parallel.launch import free_port
 from oracle.replay import token_split
 from oracle.replay.run import replay
 from oracle.replay.streaming import plan
@@ -94,6 +95,55 @@ def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_pat
     _, one, s = packed_vl
     _assert_within(s, one, 2)
     assert s.get("token_parallel")["replicated"] == ["model.visual"]
+
+
+# A rank of the streamed split with the attention grid and the layers' row chunks at 16 rows (the
+# tiny models' sequences fit one 1024-row chunk): its decoder layers run by row chunks on its rows
+# (streaming/layers.py ``_backward_split``). Prints how many row chunks each chunked layer call had.
+CHUNKED_RANK = r"""
+import sys
+from oracle.replay import attention
+attention.CHUNK = 16
+from oracle.replay.streaming import layers
+seen, original = [], layers._collect
+def spy(fn, plan, x):
+    seen.append(len(plan.spans) if plan.layout is not None else 0)
+    return original(fn, plan, x)
+layers._collect = spy
+from oracle.replay.run import replay
+replay(sys.argv[1], sys.argv[2], max_memory=4 << 30, token_chunk=16, split="tokens")
+print("row chunks per layer call", seen)
+"""
+
+
+def _chunked_split(cap, out, ranks=2) -> tuple[Bundle, list[str]]:
+    env = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", CHUNKED_RANK, str(cap), str(out)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(ranks)]  # fmt: skip
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-3000:] for _, e in outs]
+    return Bundle(out), [o for o, _ in outs]
+
+
+def test_a_ranks_decoder_layers_run_by_row_chunks_within_the_bound(tmp_path):
+    """Three packed samples of the tiny Qwen3 (201 tokens), 2 ranks, 16-row chunks: every decoder
+    layer call on each rank runs in several row chunks (its rows' K, V gathered, the two-phase
+    backward), and the result is within 1e-12 of the single-process streamed replay with whole
+    layers (every q/k/v projection's gradient included: they come from the second phase alone),
+    and bitwise the same on a second run."""
+    cap = packed_text_capture(tmp_path)[0]
+    one = Bundle(replay(cap, tmp_path / "one", max_memory=4 << 30))
+    split, printed = _chunked_split(cap, tmp_path / "split")
+    for text in printed:
+        calls = eval(text.strip().splitlines()[-1].removeprefix("row chunks per layer call "))
+        assert calls and min(calls) >= 4, calls  # every layer call chunked, on both ranks
+    assert_split_within(split, one, 2, BOUND)
+    grads = split.load_group("grads")
+    assert all(grads[n].norm() > 0 for n in grads if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")))
+    assert_bitwise(split, _chunked_split(cap, tmp_path / "again")[0])
 
 
 @pytest.mark.parametrize("kill", ["1:3", "0:3"])

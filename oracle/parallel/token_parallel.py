@@ -19,6 +19,8 @@ What each rank holds and computes (oracle/replay/token_split.py runs the step):
               Streamed (--max-memory, oracle/replay/streaming/driver.py): each rank materialises a
               unit's weights per unit and journals its partial shards; rank 0 adds them in rank order
               at the end (oracle/replay/token_split.py ``sum_shards``): the same sums, the same bounds.
+              A rank's decoder layers run by row chunks of its rows there (streaming/layers.py), so
+              its working set is its rows' share plus the whole sequence's K, V and their gradients.
 
 Numerics: every op runs in float64 under the same PrecisionMode as the single process; what
 differs is the order of some sums: a weight gradient is the sum of N per-rank partial sums (each

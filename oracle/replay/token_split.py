@@ -89,7 +89,9 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     calls of a token-split step by rows, every other call by the ordinary kernel."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     st = getattr(_state, "split", None)
-    if not causal or st is None:
+    if not causal or st is None or getattr(attention._state, "rows", None) is not None:
+        # the ordinary kernel; or a decoder layer run by row chunks on this rank's rows, whose
+        # rows_call takes the causal call (streaming/layers.py: it gathers K, V itself)
         return attention.attention_forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, **kwargs)
     if attention_mask is not None:
         raise attention.AttentionLayoutError(f"{NAME} takes no attention-mask tensor (got {tuple(attention_mask.shape)})")
@@ -109,6 +111,12 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         query.contiguous(), key.contiguous(), value.contiguous(), layout, spans, cu, True, scale, chunk, chunk
     )
     return out.transpose(1, 2).contiguous(), None  # (B, t, H, D)
+
+
+def current():
+    """(layout, runs, cu) of the step split by tokens now running on this rank, else None: runs are
+    ((global start, end), local start) of the rank's rows; cu the whole sequence's boundaries."""
+    return getattr(_state, "split", None)
 
 
 def register() -> str:

@@ -13,6 +13,11 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
                + LAYER_KV x n x kv / 2              (K, V and their gradients dK, dV, whole sequence)
                + WORKING_PER_TOKEN x c x w          (one chunk's graph: norms, q/k/v, rotary, o_proj,
                + MLP_PER_TOKEN x c x i               residuals, the MLP; and their gradients)
+                 A token-parallel rank's decoder layer (n its rows of the sequence's T) by row chunks
+                 as well (layers.py ``_backward_split``): K, V, dK, dV span the whole sequence,
+                 LAYER_KV x T x kv / 2, and besides: its rows' dq and final dk, dv (n x (q + kv), q
+                 q_proj's output width) and the exchange's buffers (T x kv: gathered parts, sent and
+                 received rows).
                  Any other unit (the ViT's blocks, emulated replays' layers), n rows at once:
                  WORKING_PER_TOKEN x n x w          (norms, q/k/v and their norms, rotary, attention,
                                                      o_proj, residuals, and their gradients)
@@ -57,9 +62,10 @@ def _linears(mod: nn.Module) -> list[nn.Linear]:
 
 
 def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked: bool,
-              layer_chunk: int | None = None) -> dict[str, int]:  # fmt: skip
+              layer_chunk: int | None = None, sequence: int | None = None) -> dict[str, int]:  # fmt: skip
     """Bytes unit ``mod`` needs while it is recomputed and backpropagated (the split above);
-    ``layer_chunk``: the rows per chunk where ``mod`` is a decoder layer run by row chunks, else None."""
+    ``layer_chunk``: the rows per chunk where ``mod`` is a decoder layer run by row chunks, else None;
+    ``sequence``: the whole sequence's length where ``tokens`` are a token-parallel rank's rows."""
     weights = sum(p.numel() for p in mod.parameters()) * size
     if isinstance(mod, nn.Embedding):
         from .embedding import CHUNK as ROWS
@@ -80,7 +86,11 @@ def unit_need(mod: nn.Module, tokens: int, size: int, chunk: int | None, chunked
 
         c = min(tokens, max(layer_chunk, GRID))
         kv = sum(m.out_features for n, m in mod.named_modules() if n.endswith(("k_proj", "v_proj")))
-        working = LAYER_WHOLE * tokens * w + LAYER_KV * tokens * kv // 2 + WORKING_PER_TOKEN * c * w + MLP_PER_TOKEN * c * i
+        S = sequence or tokens
+        working = LAYER_WHOLE * tokens * w + LAYER_KV * S * kv // 2 + WORKING_PER_TOKEN * c * w + MLP_PER_TOKEN * c * i
+        if sequence:
+            q = sum(m.out_features for n, m in mod.named_modules() if n.endswith("q_proj"))
+            working += tokens * (q + kv) + S * kv
         return {"weights": weights, "grads": weights, "working": working * size}
     rows = min(tokens, chunk) if chunked and chunk else tokens
     return {"weights": weights, "grads": weights, "working": (WORKING_PER_TOKEN * tokens * w + MLP_PER_TOKEN * rows * i) * size}
@@ -95,15 +105,17 @@ def head_need(vocab: int, hidden: int, loss_tokens: int, size: int) -> int:
 
 def reserve(model: nn.Module, units: list[str], chunked: list[str], *, text_tokens: int, patches: int, loss_tokens: int,
             size: int, chunk: int | None, head: str | None, rows: list[str] = (),
-            layer_chunk: int | None = None) -> dict[str, Any]:  # fmt: skip
+            layer_chunk: int | None = None, sequence: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The largest need over the units and the head: {"bytes", "by": the unit it comes from, "needs"};
-    ``rows``: the units run by row chunks of ``layer_chunk`` (layers.py)."""
+    ``rows``: the units run by row chunks of ``layer_chunk`` (layers.py); ``sequence``: the whole
+    sequence's length where ``text_tokens`` are a token-parallel rank's rows."""
     needs = {}
     for u in units:
         mod = model.get_submodule(u)
         tokens = patches if "visual" in u else text_tokens
         has_chunked = any(c.startswith(u + ".") for c in chunked)
-        needs[u] = sum(unit_need(mod, tokens, size, chunk, has_chunked, layer_chunk if u in rows else None).values())
+        needs[u] = sum(unit_need(mod, tokens, size, chunk, has_chunked, layer_chunk if u in rows else None,
+                                 sequence if u in rows else None).values())  # fmt: skip
     if head:
         w = model.get_submodule(head).weight
         needs[head] = head_need(w.shape[0], w.shape[1], loss_tokens, size)
@@ -134,16 +146,17 @@ def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int |
     ``oracle``: a float64 oracle replay (its decoder layers run by row chunks); False: an emulation.
     ``ranks`` > 1: one rank of the token-parallel replay (--split tokens): its share of the text
     tokens (the largest rank's rows) and of the loss tokens, the vision tower whole (replicated),
-    and per decoder layer the whole sequence's gathered K and V and their partial gradients,
-    4 x T x kv_width (oracle/replay/token_split.py). A rank's layers run whole (its own attention
-    kernel, not the row-chunked one: layers.py), so ``oracle`` chunking is off there."""
+    and per decoder layer the whole sequence's gathered K and V and their partial gradients
+    (oracle/replay/token_split.py); a rank's decoder layers run by row chunks as well (layers.py
+    ``_backward_split``); a layer whose rows fit one chunk runs whole, plus 4 x T x kv_width for
+    the whole sequence's K, V and their partial gradients."""
     from .engine import partition, token_chunked
     from .layers import CHUNK as LAYER_CHUNK
     from .layers import is_decoder_layer
     from .tokens import CHUNK
 
     units, _, head, resident = partition(model, recipe)
-    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle and ranks == 1 else []
+    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle else []
     tensors = cap.manifest["tensors"].get("inputs", {})
     T, P = tensor_counts(tensors)
     n_loss = 0
@@ -156,13 +169,14 @@ def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int |
 
         T = max(Layout(T, ranks, 0).counts)
         n_loss = -(-n_loss // ranks)
+    layer_chunk = min(token_chunk or CHUNK, LAYER_CHUNK)
     out = reserve(model, units, token_chunked(model, recipe, units), text_tokens=T, patches=P, loss_tokens=n_loss,
-                  size=size, chunk=token_chunk or CHUNK, head=head, rows=rows,
-                  layer_chunk=min(token_chunk or CHUNK, LAYER_CHUNK))  # fmt: skip
+                  size=size, chunk=token_chunk or CHUNK, head=head, rows=rows, layer_chunk=layer_chunk,
+                  sequence=T_all if ranks > 1 else None)  # fmt: skip
     if ranks > 1:
         for u in units:
             kv = [m.out_features for n, m in model.get_submodule(u).named_modules() if n.endswith(("k_proj", "v_proj"))]
-            if "visual" not in u and kv:
+            if "visual" not in u and kv and not (u in rows and T > layer_chunk):  # a layer held whole on the rank
                 out["needs"][u] += 2 * T_all * sum(kv) * size  # K, V whole, and their partial gradients
         out["by"] = max(out["needs"], key=out["needs"].get)
         out["bytes"] = out["needs"][out["by"]]

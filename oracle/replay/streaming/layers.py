@@ -32,11 +32,17 @@ equal wherever a float64 GEMM's row does not depend on how many rows it is given
 on this CPU; tested). A weight's gradient is a sum over tokens, here added chunk by chunk (last
 chunk first): within 1e-12 relative of the unchunked sum (tested; measured ~1e-16).
 
-When: float64 oracle replays with the registered kernel (``attention.NAME``) only. A layer whose
-attention is another implementation (emulated replays keep the fused sdpa, setup.use_replay_attention;
-token-parallel replay's rows kernel), an attention mask tensor, a per-token argument that needs a
-gradient, or an output other than one tensor runs unchunked, as before (its MLP still by token
-chunks, tokens.py): correct, only not bounded by the chunk.
+Split by tokens (a rank of --split tokens, oracle/replay/token_split.py): the layer's call holds the
+rank's rows (two runs of the sequence); chunks are cut within each run on the whole sequence's grid,
+and the collected K, V are every rank's, gathered. The backward cannot finish a chunk's keys
+locally (later queries on other ranks read them), so it runs in two phases with one exchange
+between (``_backward_split``).
+
+When: float64 oracle replays with the registered kernel (``attention.NAME``, or the token-parallel
+rows kernel ``token_split.NAME`` while a split step runs) only. A layer whose attention is another
+implementation (emulated replays keep the fused sdpa, setup.use_replay_attention), an attention
+mask tensor, a per-token argument that needs a gradient, or an output other than one tensor runs
+unchunked, as before (its MLP still by token chunks, tokens.py): correct, only not bounded by the chunk.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import RecipeError
-from .. import attention
+from ...parallel.token_parallel import gather_rows, scatter_sum_rows
+from .. import attention, token_split
 
 CHUNK = 1024  # rows per chunk: at Qwen3-VL-8B (hidden 4096, MLP 12288) one chunk's graph is ~1.1 GiB
 _state = threading.local()
@@ -75,12 +82,13 @@ def _flag(name: str):
         setattr(_state, name, prev)
 
 
-def spans(T: int, cu: list[int], grid: int, chunk: int) -> list[tuple[int, int]]:
-    """Consecutive row spans covering 0..T whose ends lie on the kernel's query-chunk grid (every
+def spans(T: int, cu: list[int], grid: int, chunk: int, lo: int = 0) -> list[tuple[int, int]]:
+    """Consecutive row spans covering lo..T whose ends lie on the kernel's query-chunk grid (every
     sample start cu[s] plus multiples of ``grid``), each at most ``chunk`` rows where the grid allows
-    (else one grid step)."""
-    cuts = sorted({c for s in range(len(cu) - 1) for c in range(cu[s], cu[s + 1], grid)} | {T})
-    out, a = [], 0
+    (else one grid step). ``lo`` > 0: a token-parallel rank's run of rows lo..T-1 (its ends need not
+    lie on the grid: the kernel clips its grid to the rows it is given, attention._blocks)."""
+    cuts = sorted({c for s in range(len(cu) - 1) for c in range(cu[s], cu[s + 1], grid) if lo < c < T} | {T})
+    out, a = [], lo
     for i, c in enumerate(cuts):
         if c <= a:
             continue
@@ -92,9 +100,11 @@ def spans(T: int, cu: list[int], grid: int, chunk: int) -> list[tuple[int, int]]
 
 
 class _Plan:
-    """One call of a chunked layer: how to cut its arguments into rows a..b."""
+    """One call of a chunked layer: how to cut its arguments into rows a..b. ``spans``: (a, b, q0),
+    local rows a..b-1 of the call, q0 the global row of a (a == q0 in one process); ``layout``: the
+    token-parallel rank's (oracle/parallel/token_parallel.py), or None."""
 
-    __slots__ = ("leaves", "spec", "x_pos", "rows_of", "T", "cu", "spans", "grid")
+    __slots__ = ("leaves", "spec", "x_pos", "rows_of", "T", "cu", "spans", "grid", "layout")
 
     def args(self, x: torch.Tensor, a: int, b: int):
         leaves = list(self.leaves)
@@ -107,7 +117,8 @@ class _Plan:
 def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | None:
     """The row plan of one call, or None: run it unchunked (see the module docstring's "When")."""
     impls = {c._attn_implementation for m in module.modules() if (c := getattr(m, "config", None)) is not None}
-    if impls != {attention.NAME}:
+    split = token_split.current() if impls == {token_split.NAME} else None  # (layout, runs, cu) of a rank
+    if impls != {attention.NAME} and split is None:
         return None
     leaves, spec = tree_flatten((args, kwargs))
     x_pos = 0 if args else next((i for i, v in enumerate(leaves) if v is kwargs.get("hidden_states")), None)
@@ -132,12 +143,19 @@ def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | N
             return None
     p = _Plan()
     p.leaves, p.spec, p.x_pos, p.rows_of, p.T = leaves, spec, x_pos, rows_of, T
+    p.grid = next((int(m.oracle_attention_chunk) for m in module.modules() if hasattr(m, "oracle_attention_chunk")),
+                  attention.CHUNK)  # fmt: skip
+    if split is not None:  # a rank's rows: its runs of global rows, the whole sequence's boundaries
+        p.layout, runs, p.cu = split
+        if T != p.layout.counts[p.layout.me]:
+            return None
+        p.spans = [(lo + a - g0, lo + b - g0, a) for (g0, g1), lo in runs for a, b in spans(g1, p.cu, p.grid, chunk, g0)]
+        return p
+    p.layout = None
     probe = torch.empty((1, 1, T, 1), device="meta")  # the interface reads the boundaries of T rows
     attn_kwargs = {k: v for k, v in kwargs.items() if k in ("position_ids", "cu_seq_lens_q", "cu_seqlens")}
     p.cu = attention._boundaries(probe, True, attn_kwargs) or [0, T]
-    p.grid = next((int(m.oracle_attention_chunk) for m in module.modules() if hasattr(m, "oracle_attention_chunk")),
-                  attention.CHUNK)  # fmt: skip
-    p.spans = spans(T, p.cu, p.grid, chunk)
+    p.spans = [(a, b, a) for a, b in spans(T, p.cu, p.grid, chunk)]
     return p
 
 
@@ -148,7 +166,8 @@ def _one_tensor(out) -> torch.Tensor:
 
 
 def _collect(fn, plan: _Plan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1: the whole sequence's post-rotary K, V (B, Hkv, T, D), chunk by chunk."""
+    """Pass 1: the whole sequence's post-rotary K, V (B, Hkv, S, D), chunk by chunk (a rank: its
+    rows' K, V, then every rank's gathered into the whole sequence's, S the global length)."""
     kv: list[torch.Tensor] = []
 
     def write(a, b):
@@ -163,21 +182,60 @@ def _collect(fn, plan: _Plan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return call
 
     with torch.no_grad():
-        for a, b in plan.spans:
-            args, kwargs = plan.args(x[:, a:b], a, b)
-            with attention.rows_call(write(a, b)):
-                try:
-                    fn(*args, **kwargs)
-                except _Collected:
-                    continue
-            raise RecipeError("a row-chunked decoder layer finished without calling its attention")
+        for a, b, _ in plan.spans:
+            _until_attention(fn, plan, x[:, a:b], a, b, write(a, b))
+    if plan.layout is not None:
+        return gather_rows(kv[0], plan.layout, 2), gather_rows(kv[1], plan.layout, 2)
     return kv[0], kv[1]
 
 
-def _attend(plan: _Plan, K, V, a: int):
+class _Given(torch.autograd.Function):
+    """One node standing for a chunk's attention in phase 2 of a rank's backward: its backward hands
+    q, k, v the given gradients at once, as the attention node does (autograd then runs their
+    paths in the order the unchunked layer's backward does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dq, dk, dv):
+        ctx.grads = (dq, dk, dv)
+        return q.new_zeros(())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _):
+        dq, dk, dv = ctx.grads
+        return dq, dk, dv, None, None, None
+
+
+def _backprop_qkv(fn, plan: _Plan, xc: torch.Tensor, a: int, b: int, dq, dk, dv) -> None:
+    """The chunk's layer up to its attention call (the rest of its forward skipped), backpropagated
+    from the given q, k, v gradients into ``xc.grad`` and the weights before the attention."""
+    got: list[torch.Tensor] = []
+
+    def call(q, k, v, scale, chunk):
+        got.append(_Given.apply(q, k, v, dq, dk, dv))
+        raise _Collected
+
+    with torch.enable_grad():
+        _until_attention(fn, plan, xc, a, b, call)
+    got[0].backward()
+
+
+def _until_attention(fn, plan: _Plan, xc: torch.Tensor, a: int, b: int, call) -> None:
+    """Rows a..b's layer forward up to its attention call, which ``call`` takes and ends by raising
+    ``_Collected``: the rest of the forward is skipped."""
+    args, kwargs = plan.args(xc, a, b)
+    with attention.rows_call(call):
+        try:
+            fn(*args, **kwargs)
+        except _Collected:
+            return
+    raise RecipeError("a row-chunked decoder layer finished without calling its attention")
+
+
+def _attend(plan: _Plan, K, V, q0: int):
     def call(q, k, v, scale, chunk):
         _check(plan, chunk)
-        out, _ = attention._forward(q.contiguous(), K, V, plan.cu, True, scale, chunk, chunk, q0=a)
+        out, _ = attention._forward(q.contiguous(), K, V, plan.cu, True, scale, chunk, chunk, q0=q0)
         return out
 
     return call
@@ -186,6 +244,30 @@ def _attend(plan: _Plan, K, V, a: int):
 def _check(plan: _Plan, chunk: int) -> None:
     if chunk != plan.grid:
         raise RecipeError(f"the attention chunk {chunk} is not the {plan.grid} the layer's row spans were cut on")
+
+
+class _QueriesOfKV(torch.autograd.Function):
+    """A rank's backward, phase 1: queries of global rows q0.. against the whole K, V; the backward
+    adds their share into dK, dV (every row), writes dq into ``dQ`` at the chunk's local rows and
+    stops there: q comes cut from its path, k, v are not its inputs (their paths are backpropagated in phase
+    2, once every rank's queries have added into the keys' gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, K, V, dK, dV, dQ, a, q0, cu, scale, chunk):
+        q = q.contiguous()
+        out, lse = attention._forward(q, K, V, cu, True, scale, chunk, chunk, q0=q0)
+        ctx.save_for_backward(q, out, lse)
+        ctx.args = (K, V, dK, dV, dQ, a, q0, cu, scale, chunk)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        K, V, dK, dV, dQ, a, q0, cu, scale, chunk = ctx.args
+        dq, _, _ = attention._backward(dout.contiguous(), q, K, V, out, lse, cu, True, scale, chunk, chunk, q0=q0, dk=dK, dv=dV)
+        dQ[:, :, a : a + q.shape[2]] = dq
+        return (None,) * 11
 
 
 class _RowsOfKV(torch.autograd.Function):
@@ -214,8 +296,8 @@ def _forward(fn, plan: _Plan, x: torch.Tensor, compute: bool):
         return x.new_zeros(()).expand_as(x), K, V  # backward_only: never read
     y = torch.empty_like(x)
     with torch.no_grad():
-        for a, b in plan.spans:
-            with attention.rows_call(_attend(plan, K, V, a)):
+        for a, b, q0 in plan.spans:
+            with attention.rows_call(_attend(plan, K, V, q0)):
                 args, kwargs = plan.args(x[:, a:b], a, b)
                 y[:, a:b] = _one_tensor(fn(*args, **kwargs))
     return y, K, V
@@ -233,11 +315,13 @@ class _ChunkedLayer(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         fn, plan = ctx.fn, ctx.plan
+        if plan.layout is not None:
+            return None, None, _backward_split(fn, plan, x, dy, ctx)
         K, V = ctx.kv
         ctx.kv = None
         dK, dV = torch.zeros_like(K), torch.zeros_like(V)
         dx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
-        for a, b in reversed(plan.spans):  # last to first: a chunk's keys are final once its own queries are done
+        for a, b, _ in reversed(plan.spans):  # last to first: a chunk's keys are final once its own queries are done
             xc = x[:, a:b].detach().requires_grad_(True)
 
             def call(q, k, v, scale, chunk, a=a):
@@ -252,6 +336,56 @@ class _ChunkedLayer(torch.autograd.Function):
                 dx[:, a:b] = xc.grad
             del xc, yc
         return None, None, dx
+
+
+def _backward_split(fn, plan: _Plan, x, dy, ctx) -> torch.Tensor:
+    """A token-parallel rank's layer backward by row chunks. A key's gradient collects from every
+    later query, most of which other ranks own, so a chunk's k, v paths cannot be backpropagated
+    until all ranks are done with their queries; two phases, with one exchange between:
+      1. per chunk, last to first: the layer with autograd on x[a:b]; its attention is a node
+         (``_QueriesOfKV``) whose backward adds the chunk's queries' share into dK, dV (the whole
+         sequence's rows) and keeps dq, and stops: one autograd backward from dy[a:b] yields the
+         residual share of dx[a:b] and every weight gradient after the attention (o_proj, the
+         post-attention norm, the MLP), accumulated into ``.grad``;
+      2. dK, dV summed over the ranks onto their owners (``scatter_sum_rows``, rank order); then per
+         chunk the layer up to its attention call again (``_backprop_qkv``), backpropagated from the kept
+         dq and the rank's final dk, dv rows: the rest of dx[a:b] (through the input norm) and the
+         q/k/v projections' and their norms' gradients.
+    Held besides the unchunked rank's K, V, dK, dV: dQ (the rank's rows x the query width) and its
+    final dk, dv rows. Numbers: the same ops per row as the rank's unchunked layer; dx is the
+    two branches' sum (as autograd adds them), a weight gradient is added chunk by chunk: within
+    the token-parallel bound of the single process (token_parallel.BOUND_REL), bitwise repeatable."""
+    K, V = ctx.kv
+    ctx.kv = None  # the only references left are these: freed after phase 1
+    dK, dV = torch.zeros_like(K), torch.zeros_like(V)
+    dx = torch.empty_like(x)
+    dQ = None
+    for a, b, q0 in reversed(plan.spans):
+        xc = x[:, a:b].detach().requires_grad_(True)
+
+        def call(q, k, v, scale, chunk, a=a, q0=q0):
+            nonlocal dQ
+            _check(plan, chunk)
+            if dQ is None:
+                dQ = q.new_zeros((*q.shape[:2], plan.T, q.shape[-1]))
+            # q cut from its path (phase 2 backpropagates it) but still a leaf needing a gradient, so
+            # that autograd runs this node's backward
+            return _QueriesOfKV.apply(q.detach().requires_grad_(True), K, V, dK, dV, dQ, a, q0, plan.cu, scale, chunk)
+
+        with torch.enable_grad(), attention.rows_call(call):
+            args, kwargs = plan.args(xc, a, b)
+            yc = _one_tensor(fn(*args, **kwargs))
+            torch.autograd.backward(yc, dy[:, a:b])
+        dx[:, a:b] = xc.grad
+        del xc, yc
+    dk, dv = scatter_sum_rows(dK, plan.layout, 2), scatter_sum_rows(dV, plan.layout, 2)  # the rank's rows, final
+    K = V = dK = dV = None  # freed before phase 2
+    for a, b, _ in reversed(plan.spans):
+        xc = x[:, a:b].detach().requires_grad_(True)
+        _backprop_qkv(fn, plan, xc, a, b, dQ[:, :, a:b], dk[:, :, a:b], dv[:, :, a:b])
+        dx[:, a:b] += xc.grad
+        del xc
+    return dx
 
 
 def is_decoder_layer(module: nn.Module) -> bool:
