@@ -118,8 +118,10 @@ def show(p: dict) -> None:
     print(f"   memory: peak estimate {m['peak_estimate'] / G:.2f} GiB ({'fits' if p['fits'] else 'does NOT fit'} 16 GiB): "
           f"process {m['process'] / G:.2f}, largest need {m['reserve'] / G:.2f} ({m['reserve_by']}), boundary activations "
           f"{m['activations'] / G:.2f} of which {m['activations_in_memory'] / G:.2f} in memory")  # fmt: skip
-    print(f"   disk while running: spilled {d['spilled_activations'] / G:.1f} GiB + journal {d['resume_journal'] / G:.1f} GiB written "
-          f"+ gradients {d['gradients'] / G:.1f} GiB = {d['written'] / G:.1f} GiB written (target < 200 GiB)")  # fmt: skip
+    print(f"   disk: spilled {d['spilled_activations'] / G:.1f} GiB + journal {d['resume_journal'] / G:.1f} GiB written "
+          f"+ gradients {d['gradients'] / G:.1f} GiB = {d['written'] / G:.1f} GiB written over the run; at most "
+          f"{d['held_peak'] / G:.1f} GiB held at once (target < 200 GiB while running: "
+          f"{'met' if d['held_peak'] < 200 * G else 'NOT met'})")  # fmt: skip
     if not p["fits"]:
         print(f"   refusal: {p['refusal']}")
 
