@@ -49,6 +49,20 @@ def test_dry_run_disk_estimate_is_within_10_percent_of_what_a_run_writes(fp32_ca
     assert abs(p["disk"]["written"] - written) <= 0.1 * written, (p["disk"], written)
 
 
+def test_a_partial_spill_is_estimated_by_whole_tensors_oldest_first(fp32_capture, tmp_path):
+    """Half the boundary activations fit: the store spills whole tensors, the oldest first, so it
+    writes more than the bytes over its budget; the dry run models that (within 10 % of the bytes
+    the run spilled), where the bytes over the budget alone fall short."""
+    full = plan(Bundle(fp32_capture), budget=8 << 30)
+    budget = full["memory"]["activations"] // 2
+    out = replay(fp32_capture, tmp_path / "h", max_memory=8 << 30, activation_budget=budget)
+    spilled = Bundle(out).get("streaming")["activations_spilled"]
+    p = plan(Bundle(fp32_capture), budget=8 << 30, activation_budget=budget)
+    over = p["memory"]["activations"] - budget
+    assert spilled > over, (spilled, over)
+    assert abs(p["disk"]["spilled_activations"] - spilled) <= 0.1 * spilled, (p["disk"]["spilled_activations"], spilled, over)
+
+
 def test_the_journal_holds_input_gradients_only_while_resume_needs_them(fp32_capture, tmp_path, monkeypatch):
     """A finished unit's input gradients are dropped once the units feeding it are finished: at most a few are held."""
     held = []

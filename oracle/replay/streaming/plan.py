@@ -28,7 +28,7 @@ from ...parallel.token_parallel import Layout
 from ...precision.mode import PrecisionMode
 from .materialize import skeleton
 
-EFFICIENCY = 0.7
+EFFICIENCY = 0.45  # the fraction of the GEMM probe streamed float64 replays reach: 0.47 at the 65536-token cut of Qwen3-VL-8B, 0.39-0.54 at 2048 tokens, 0.33-0.38 on benchmark b (README)
 
 
 def gemm_rate(n: int = 768, reps: int = 3) -> float:
@@ -113,17 +113,19 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
         store_budget = activation_budget
     else:
         store_budget = None if budget is None else max(budget - fixed, 0)
-    spill = 0 if store_budget is None else max(activations - store_budget, 0)
+    overflow = 0 if store_budget is None else max(activations - store_budget, 0)  # memory: the store fills its budget
+    spilled = spilled_per_unit(bounds["per_unit"], store_budget)  # disk: what the store writes, whole tensors
+    spill = sum(spilled)
     captured = sum(e["nbytes"] for e in _file_sizes(cap))
-    held = disk_held(model, units, bounds["per_unit"], spill, size)
+    held = disk_held(model, units, bounds["per_unit"], spilled, size)
     fits = budget is None or budget >= fixed
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
         "parameters": n_params, "units": len(units), "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
         "estimated_seconds": total / (rate * EFFICIENCY) / ranks, "ranks": ranks,
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
-                   "activations": activations, "activations_in_memory": activations - spill,
-                   "peak_estimate": fixed + (activations - spill)},
+                   "activations": activations, "activations_in_memory": activations - overflow,
+                   "peak_estimate": fixed + (activations - overflow)},
         "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
                  "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured,
                  "rank0_partials": (ranks - 1) * n_params * size},
@@ -168,17 +170,35 @@ def boundaries(model: torch.nn.Module, units: list[str], config: dict[str, Any],
     return {"activations": sum(a for a, _ in per_unit), "input_grads": sum(g for _, g in per_unit), "per_unit": per_unit}
 
 
-def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int, int]], spill: int, size: int) -> int:
-    """The most bytes the work directory holds at once. The spill is the oldest units' inputs; the
-    backward walks the units from the last: the head's gradient shard first, then per unit its
-    shard and its input gradients appear and its spilled inputs go; input gradients are held until
-    the unit feeding them is done (here: the last two), the resident parameters' shard comes last."""
-    left, spilled = spill, []
-    for a, _ in per_unit:
-        spilled.append(min(a, left))
-        left -= spilled[-1]
+def spilled_per_unit(per_unit: list[tuple[int, int]], budget: int | None) -> list[int]:
+    """Bytes of each unit's boundary inputs the activation store writes to disk, in forward order,
+    as spill.ActivationStore does: whenever a put takes the held bytes past the budget, whole
+    tensors go, the oldest first (here a unit's inputs count as one tensor). At Qwen3-VL-8B and
+    65536 tokens a decoder layer's input is 2 GiB: past the budget by a little, a whole one goes
+    (the 65536-token cut spilled 2.79 GiB where the bytes over the budget were 1.3 GiB)."""
+    out = [0] * len(per_unit)
+    if budget is None:
+        return out
+    held, mem = [], 0
+    for i, (a, _) in enumerate(per_unit):
+        held.append(i)
+        mem += a
+        while mem > budget and held:
+            j = held.pop(0)
+            out[j] = per_unit[j][0]
+            mem -= out[j]
+    return out
+
+
+def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int, int]], spilled: list[int],
+              size: int) -> int:  # fmt: skip
+    """The most bytes the work directory holds at once. ``spilled``: each unit's spilled inputs
+    (``spilled_per_unit``); the backward walks the units from the last: the head's gradient shard
+    first, then per unit its shard and its input gradients appear and its spilled inputs go; input
+    gradients are held until the unit feeding them is done (here: the last two), the resident
+    parameters' shard comes last."""
     in_units = set()
-    disk = spill
+    disk = sum(spilled)
     head = getattr(model, "lm_head", None)
     if head is not None:
         disk += head.weight.numel() * size
