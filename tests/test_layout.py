@@ -127,19 +127,18 @@ def test_root_holds_only_a_handful_of_modules():
 
 
 def test_readme_map_matches_the_tree():
-    """README's Layout names every package of oracle/ and no package that does not exist."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    """docs/architecture.md's Layout names every package of oracle/ and no package that does not exist."""
+    section = (ROOT / "docs" / "architecture.md").read_text()
     packages = sorted(str(p.parent.relative_to(ROOT)) + "/" for p in ENGINE.rglob("__init__.py"))
     missing = [p for p in packages if f"`{p}`" not in section]
-    assert not missing, f"README's Layout does not name {missing}"
+    assert not missing, f"docs/architecture.md does not name {missing}"
     named = {w.strip("`") for w in section.split() if w.startswith("`oracle/") and w.rstrip("`,.:;").endswith("/")}
     stale = [p for p in named if not (ROOT / p.strip("`,.:;")).is_dir()]
-    assert not stale, f"README's Layout names folders that do not exist: {stale}"
+    assert not stale, f"docs/architecture.md names folders that do not exist: {stale}"
     rows = {line.split("|")[1].strip().split()[0].strip("`"): line for line in section.splitlines() if line.startswith("| `oracle/")}
     unlisted = [str(f.relative_to(ROOT)) for f in ENGINE.rglob("*.py")
                 if f.name != "__init__.py" and f"`{f.name}`" not in rows.get(str(f.parent.relative_to(ROOT)) + "/", "")]  # fmt: skip
-    assert not unlisted, f"README's Layout does not list {unlisted} in its package's row"
+    assert not unlisted, f"docs/architecture.md does not list {unlisted} in its package's row"
 
 
 def test_the_checker_sees_a_planted_cycle_and_an_upward_import():

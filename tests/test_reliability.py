@@ -419,12 +419,12 @@ def test_sigkill_during_capture_replay_and_merge_loses_nothing(tmp_path):
 
 
 def test_readme_tables_use_exactly_the_codes_of_errors_py():
-    """README's exit-code table lists the codes of EXIT_CODES; its bad-input table uses only those, never 1."""
+    """README's exit-code table lists the codes of EXIT_CODES; docs/errors.md's bad-input table uses only those, never 1."""
     import re
 
     readme = (ROOT / "README.md").read_text()
     codes = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
-    bad = readme.split("## Bad inputs: what you see", 1)[1].split("\n## ", 1)[0]
+    bad = (ROOT / "docs" / "errors.md").read_text().split("# Bad inputs: what you see", 1)[1].split("\n# ", 1)[0]
     assert {int(c) for c in re.findall(r"^\| (\d+) \|", codes, re.M)} == set(EXIT_CODES)
     used = {int(c) for c in re.findall(r"\| (\d+) \|$", bad, re.M)}
     assert used and used <= set(EXIT_CODES) - {0, 1, 2}

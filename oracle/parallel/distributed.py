@@ -146,7 +146,7 @@ def gloo_interface() -> str | None:
     or 127.0.1.1 (a common /etc/hosts) the other machines are then told to connect to their own
     loopback and the rendezvous never completes. The interface holding the source address of the
     route to MASTER_ADDR is one every peer reaches, since MASTER_ADDR must be reachable from every
-    host (README, Several machines); where it cannot be told, gloo's own choice stays."""
+    host (docs/distributed.md, Several machines); where it cannot be told, gloo's own choice stays."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or not os.environ.get("MASTER_ADDR"):
         return os.environ.get("GLOO_SOCKET_IFNAME")
     src = _route_source(os.environ["MASTER_ADDR"])

@@ -1,7 +1,7 @@
 """``oracle judge``'s report: the four answers in words first, then the tables and the plot.
 
 Writes into the report folder ``judge.txt`` (what the terminal shows), ``judge.json`` (the whole
-document, schema in README "oracle judge: the report's JSON"), ``errors.png`` (``files.plot``:
+document, schema in docs/judge.md), ``errors.png`` (``files.plot``:
 rel L2 per layer in backward order against each run's band) and ``index.html`` (self-contained: the
 plot inlined as base64; an in-page hook writes any script error into ``#js-errors`` so a browser
 check can read it from the DOM). Files are written to a temporary sibling and renamed into place.

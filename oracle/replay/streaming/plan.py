@@ -28,7 +28,7 @@ from ...parallel.token_parallel import Layout
 from ...precision.mode import PrecisionMode
 from .materialize import skeleton
 
-EFFICIENCY = 0.45  # the fraction of the GEMM probe streamed float64 replays reach: 0.47 at the 65536-token cut of Qwen3-VL-8B, 0.39-0.54 at 2048 tokens, 0.33-0.38 on benchmark b (README)
+EFFICIENCY = 0.45  # the fraction of the GEMM probe streamed float64 replays reach: 0.47 at the 65536-token cut of Qwen3-VL-8B, 0.39-0.54 at 2048 tokens, 0.33-0.38 on benchmark b (benchmarks/RESULTS.md)
 
 
 def gemm_rate(n: int = 768, reps: int = 3) -> float:
