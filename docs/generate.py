@@ -1,7 +1,7 @@
 """Write docs/cli-reference.md from the typer app itself: every command, argument and option.
 
     python docs/generate.py          # rewrite docs/cli-reference.md
-    python docs/generate.py --check  # exit 1 if the file is not what the app says (tests/test_docs.py)
+    python docs/generate.py --check  # exit 1 if the file is not what the app says (tests/integration/test_docs.py)
 
 The reference is generated, never edited by hand, so it cannot drift from `cli.py`: the test suite
 regenerates it and compares. It renders what cli.py declares (names, spellings, defaults, help), not typer's help
@@ -43,7 +43,7 @@ def render() -> str:
     out = [
         "# Command reference",
         "",
-        "Generated from the typer app by `python docs/generate.py`; `tests/test_docs.py` fails when it",
+        "Generated from the typer app by `python docs/generate.py`; `tests/integration/test_docs.py` fails when it",
         "differs from what `cli.py` declares. Exit codes: README.md's table (`oracle/errors.py`).",
         "",
         f"`oracle --help`: {_cell(group.help or '')}",

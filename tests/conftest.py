@@ -76,3 +76,15 @@ def band(fp32_capture, root):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "distributed": "distributed", "peers": "peers", "swift": "peers"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test carries the marker of its folder (tests/unit -> unit, tests/swift -> peers, ...), so -m selects a layer."""
+    for item in items:
+        parts = item.path.parts
+        for folder, marker in FOLDER_MARKERS.items():
+            if folder in parts:
+                item.add_marker(getattr(pytest.mark, marker))

@@ -1,15 +1,40 @@
-"""Test helpers: rewrite a bundle's gradients (planting errors after the fact), the packed tiny
-captures several files share, a token-parallel oracle's checks (within the bound, bitwise), a
-launcher's rank by pid."""
+"""Test helpers: the command line run in process (`invoke`) or as a process (`run_oracle`), a free
+port, rewriting a bundle's gradients (planting errors after the fact), the packed tiny captures
+several files share, a token-parallel oracle's checks (within the bound, bitwise), a launcher's
+rank by pid."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from oracle.bundle.store import Bundle, BundleWriter
+from oracle.parallel.launch import free_port  # noqa: F401  (the one free-port helper of the tests)
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = [sys.executable, "-m", "oracle"]  # the command line as torchrun and --nproc start it
+
+
+def invoke(*args):
+    """The CLI in this process (typer's CliRunner); a user mistake never shows a traceback or exit 1."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
+    return res
+
+
+def run_oracle(args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m oracle ARGS` as its own process, from the repository root, output captured as text."""
+    return subprocess.run([*ORACLE, *map(str, args)], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, **kw)  # fmt: skip
 
 
 def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Tensor | None],

@@ -1,4 +1,4 @@
-"""SIGKILL a capture, a replay and a merge at random points; run by tests/test_reliability.py.
+"""SIGKILL a capture, a replay and a merge at random points; run by tests/integration/test_reliability.py.
 
     python tests/kill_worker.py ROOT SEED
 

@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
+from oracle.parallel.launch import free_port
+
 # A tiny Qwen3: 2 layers, GQA 16 query / 4 KV heads of 8 (head_dim != hidden / heads), SwiGLU 128,
 # q/k RMSNorm, RoPE.
 CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
@@ -199,7 +201,7 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     torch.distributed.destroy_process_group()
 
 
-def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
+def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
              fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
@@ -211,6 +213,7 @@ def run_peer(out: str, tp: int, sp: bool, port: int = 29531, msprobe_dir: str | 
     for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
             "packed": packed, "fault": fault, "tied": tied, "modules": modules}  # fmt: skip
+    port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out
 

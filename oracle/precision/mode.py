@@ -71,7 +71,7 @@ _FP32_CUDA = {
 _FP32_CPU = {_aten.nll_loss_forward.default, _aten.mse_loss.default, _aten.prod.default, _aten.cumsum.default}
 # Both lists are torch's autocast policy (aten/src/ATen/autocast_mode.cpp: the CUDA ``fp32`` list,
 # the CPU ``fp32`` list; the ``lower_precision_fp`` lists are AMP_OPS above) as seen at the aten
-# level; tests/test_autocast_diff.py checks the emulation against real autocast op by op.
+# level; tests/unit/test_autocast_diff.py checks the emulation against real autocast op by op.
 # Outside those lists an op runs in its inputs' dtype. Mixed-dtype kernels are the exception:
 # CPU layer_norm takes a bf16 input with fp32 weight and returns the input's dtype (its backward
 # the same for grad_input), computing in float32 inside. func -> (arg deciding, outputs that follow).

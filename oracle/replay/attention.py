@@ -26,7 +26,7 @@ repeated k/v of transformers' repeat_kv never exist, and no block is copied.
 Difference from unchunked attention: the same sums in another order, and the softmax
 normalisation applied once at the end instead of to every probability. Each output element is
 within a few ulp of the dtype times (sum |p v| / |sum p v|) of eager attention in the same
-dtype; measured against eager float64: ~1e-16 relative (tests/test_attention.py asserts
+dtype; measured against eager float64: ~1e-16 relative (tests/unit/test_attention.py asserts
 <= 1e-13 for outputs and gradients). Not bitwise.
 
 Memory: one (B, Hkv, chunk_q * H/Hkv, chunk_k) score block at a time (two in the backward: P

@@ -24,7 +24,7 @@ Backward, recomputing each chunk's Z (g = the loss's incoming gradient):
 Difference from the full-logits loss (F.cross_entropy on hidden @ weight^T): the same terms
 summed in another order (the log-sum-exp over chunks, the gradient sums over chunks), so the loss
 and gradients equal it to a few ulp of the dtype, not bitwise; measured in float64 ~1e-16
-relative (tests/test_headloss.py asserts <= 1e-13).
+relative (tests/unit/test_headloss.py asserts <= 1e-13).
 
 Tensor parallel (oracle/parallel/tensor_parallel.py): a head weight split by vocabulary rows over the ranks
 (a DTensor) is computed shard by shard, each rank its own rows; the per-row running max and sum

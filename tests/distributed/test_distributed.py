@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import rank_pid
+from helpers import ORACLE, rank_pid, run_oracle
 from typer.testing import CliRunner
 
 from cli import app
@@ -22,8 +21,7 @@ from oracle.errors import RankError
 from oracle.replay.local import replay_local
 from oracle.replay.run import replay
 
-ROOT = Path(__file__).parent.parent
-CLI = [sys.executable, "-m", "oracle"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +45,6 @@ def _one_thread(fn, *a, **kw):
         torch.set_num_threads(before)
 
 
-def _run(args, env=None, **kw):
-    return subprocess.run([*CLI, *args], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, **kw)
-
 
 def _assert_members_bitwise(a, b, ensemble):
     ba, bb = Bundle(a), Bundle(b)
@@ -64,7 +59,7 @@ def _assert_members_bitwise(a, b, ensemble):
 
 def test_two_ranks_spread_an_ensemble_bitwise_into_one_bundle(cap, tmp_path):
     """--nproc 2: members 0,2 on rank 0 and 1 on rank 1; the one bundle equals the single process's bitwise."""
-    r = _run(["replay", str(cap), "--out", str(tmp_path / "d"), "--dtype", "amp-bf16", "--ensemble", "3", "--nproc", "2",
+    r = run_oracle(["replay", str(cap), "--out", str(tmp_path / "d"), "--dtype", "amp-bf16", "--ensemble", "3", "--nproc", "2",
               "--threads", "1"])  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
@@ -76,7 +71,7 @@ def test_two_ranks_spread_an_ensemble_bitwise_into_one_bundle(cap, tmp_path):
 
 def test_two_ranks_spread_the_local_replay_with_the_same_rows(cap, tmp_path):
     """--local --nproc 2: modules dealt over the ranks; every row equals the single process's."""
-    r = _run(["replay", str(cap), "--out", str(tmp_path / "d"), "--local", "--nproc", "2", "--threads", "1", "--members", "1"])
+    r = run_oracle(["replay", str(cap), "--out", str(tmp_path / "d"), "--local", "--nproc", "2", "--threads", "1", "--members", "1"])
     assert r.returncode == 0, r.stderr
     ref = _one_thread(replay_local, cap, tmp_path / "ref", members=1)
     rows, want = Bundle(tmp_path / "d").get("local"), Bundle(ref).get("local")
@@ -90,7 +85,7 @@ def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
     args = ["replay", str(cap), "--out", str(out), "--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "4G",
             "--nproc", "2", "--threads", "1"]  # fmt: skip
     journal = tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl"
-    p = subprocess.Popen([*CLI, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*ORACLE, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed, deadline = None, time.time() + 60
     while time.time() < deadline and p.poll() is None and killed is None:
         if journal.exists() and sum('"unit"' in x for x in journal.read_text().splitlines()) >= 2:
@@ -102,7 +97,7 @@ def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
     assert p.returncode == RankError.exit_code, err
     assert "rank 1 of 2 was killed by SIGKILL" in err and "resume" in err
     assert not out.exists()
-    r = _run(args)
+    r = run_oracle(args)
     assert r.returncode == 0, r.stderr
     assert "(resumed)" in r.stdout
     ref = _one_thread(replay, cap, tmp_path / "ref", dtype="amp-bf16", ensemble=2, max_memory=4 << 30)
@@ -117,7 +112,7 @@ def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
             "--nproc", "2", "--threads", "1"]  # fmt: skip
     env = {**os.environ, "ORACLE_RANK_TIMEOUT": "3"}
     journal = tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl"
-    p = subprocess.Popen([*CLI, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*ORACLE, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stopped, deadline = None, time.time() + 60
     while time.time() < deadline and p.poll() is None and stopped is None:
         if journal.exists():
@@ -135,7 +130,7 @@ def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
 def test_tensor_parallel_float64_oracle_equals_the_single_process_one(fp32_capture, oracle_bundle, tmp_path):
     """--dtype fp64 --nproc 2 on the tiny Qwen3-VL: heads and MLP split by DTensor, still float64
     throughout (same promotions), every gradient within 1e-12 relative of the single-process oracle."""
-    r = _run(["replay", str(fp32_capture), "--out", str(tmp_path / "tp"), "--nproc", "2", "--threads", "1"])
+    r = run_oracle(["replay", str(fp32_capture), "--out", str(tmp_path / "tp"), "--nproc", "2", "--threads", "1"])
     assert r.returncode == 0, r.stderr
     tp, one = Bundle(tmp_path / "tp"), Bundle(oracle_bundle)
     assert tp.kind == "oracle" and tp.get("tensor_parallel")["ranks"] == 2

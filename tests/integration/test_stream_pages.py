@@ -12,7 +12,7 @@ import pytest
 
 from oracle.replay.streaming import pages
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_only_a_streamed_replay_without_the_tunable_restarts():

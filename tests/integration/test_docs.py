@@ -11,7 +11,7 @@ import typer
 
 from cli import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 

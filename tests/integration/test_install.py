@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOST_ONLY = ("transformers", "typer", "matplotlib", "PIL")
 
 _BLOCK = """

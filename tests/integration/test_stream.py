@@ -22,7 +22,7 @@ from oracle.replay.run import replay
 from oracle.replay.streaming.engine import parse_size
 from oracle.score.scorer import score
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _grads(path) -> dict[str, torch.Tensor]:

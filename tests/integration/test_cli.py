@@ -102,7 +102,7 @@ def test_readme_exit_code_table_is_the_codes_table():
 
     from oracle.errors import EXIT_CODES
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\d+) \| (.+?) \|$", section, flags=re.M)
     assert [(int(c), m) for c, m in rows] == list(EXIT_CODES.items())

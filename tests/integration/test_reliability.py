@@ -21,7 +21,7 @@ from oracle.bundle.store import Bundle, BundleWriter, value_sha256
 from oracle.errors import EXIT_CODES, BundleError, OracleError, OutputError, OutputExists, from_os_error
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(path, value=1.0, **kw):

@@ -1,5 +1,5 @@
 """What the Megatron hook reads from the run (runinfo.py) and how merge uses it, on small
-structures: no ms-swift needed (tests/test_swift_fidelity.py runs the real thing)."""
+structures: no ms-swift needed (tests/peers/test_swift_fidelity.py runs the real thing)."""
 
 from types import SimpleNamespace
 

@@ -156,7 +156,7 @@ def test_the_recorded_peak_is_the_replays_own_not_its_parents():
     code = ("import resource\nfrom oracle.replay.streaming.engine import max_rss_bytes\n"
             "print(max_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       cwd=Path(__file__).parent.parent, preexec_fn=lambda: None)  # fmt: skip  # fork + exec
+                       cwd=Path(__file__).resolve().parents[2], preexec_fn=lambda: None)  # fmt: skip  # fork + exec
     own, inherited = map(int, r.stdout.split())
     assert held.sum() == 2**27
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= 2**30

@@ -15,7 +15,7 @@ from oracle.replay.run import replay
 from oracle.score.layers import group
 from oracle.score.scorer import score
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_built_in_recipes_are_entry_point_plugins():

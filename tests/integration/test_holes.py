@@ -8,20 +8,12 @@ import shutil
 import time
 
 import pytest
-from helpers import rewrite_grads
-from typer.testing import CliRunner
+from helpers import invoke, rewrite_grads
 
-from cli import app
 from oracle.errors import LogParseError, UsageError
 from oracle.integrations import normlog
 from oracle.replay.streaming.engine import parse_size
 from oracle.score.scorer import score
-
-
-def _run(*args):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
 
 
 def test_a_manifest_without_tensors_is_exit_4_naming_the_field(fp32_capture, oracle_bundle, tmp_path):
@@ -33,7 +25,7 @@ def test_a_manifest_without_tensors_is_exit_4_naming_the_field(fp32_capture, ora
     (bad / "manifest.json").write_text(json.dumps(m))
     for args in (["score", oracle_bundle, bad], ["replay", bad, "--out", tmp_path / "o"],
                  ["replay", bad, "--out", tmp_path / "o", "--dry-run", "--max-memory", "1G"]):  # fmt: skip
-        res = _run(*args)
+        res = invoke(*args)
         assert res.exit_code == 4 and "tensors: missing" in res.output, res.output
 
 
@@ -42,7 +34,7 @@ def test_infinite_or_absurd_memory_budgets_are_usage_errors(spec, fp32_capture, 
     """--max-memory inf / 1e400 / nan: exit 2 with the expected form, not an OverflowError."""
     with pytest.raises(UsageError, match="finite size|expected a size"):
         parse_size(spec)
-    res = _run("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", spec)
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", spec)
     assert res.exit_code == 2 and "--max-memory" in res.output, res.output
 
 
@@ -50,7 +42,7 @@ def test_infinite_or_absurd_memory_budgets_are_usage_errors(spec, fp32_capture, 
 def test_a_margin_must_be_finite_and_at_least_one(margin, fp32_capture, oracle_bundle, tmp_path):
     """--margin inf would pass any fault: refused, exit 2, by the CLI (>= 1) and, when not finite and
     positive, by score() alike."""
-    res = _run("score", oracle_bundle, fp32_capture, "--margin", margin)
+    res = invoke("score", oracle_bundle, fp32_capture, "--margin", margin)
     assert res.exit_code == 2, res.output
     if margin != "0.5":
         with pytest.raises(UsageError, match="--margin"):
@@ -74,7 +66,7 @@ def test_a_tol_floor_applies_without_a_band(fp32_capture, oracle_bundle, tmp_pat
     floored = score(oracle_bundle, [bad], tol_overrides={"fp32": {"floor": 0.5}})["captures"][0]
     assert {p["band"] for p in floored["params"]} == {0.5} and {r["band"] for r in floored["layers"]} == {0.5}
     assert floored["verdict"]["class"] == "within_noise"
-    res = _run("score", oracle_bundle, bad, "--tol", "fp32:floor=0.5")
+    res = invoke("score", oracle_bundle, bad, "--tol", "fp32:floor=0.5")
     assert res.exit_code == 0 and "within noise" in res.output, res.output
 
 
@@ -87,6 +79,6 @@ def test_a_catastrophic_pattern_is_stopped_by_the_time_guard(tmp_path, monkeypat
     with pytest.raises(LogParseError, match="line 2: the pattern .* took over 0.2 s"):
         normlog.parse(log, pattern=r"^(?P<name>(a|aa)+)(?P<value>\d)$")
     assert time.monotonic() - t0 < 20
-    res = _run("import-log", log, "--out", tmp_path / "n", "--pattern", r"^(?P<name>(a|aa)+)(?P<value>\d)$")
+    res = invoke("import-log", log, "--out", tmp_path / "n", "--pattern", r"^(?P<name>(a|aa)+)(?P<value>\d)$")
     assert res.exit_code == 8 and "catastrophic backtracking" in res.output, res.output
     assert not (tmp_path / "n").exists()

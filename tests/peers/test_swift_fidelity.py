@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent / "swift"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "swift"))
 import rank_capture  # noqa: E402
 
 from cli import app  # noqa: E402

@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_bitwise, assert_split_within, packed_text_capture, packed_vl_capture, two_sample_qwen3_capture
+from helpers import (
+    assert_bitwise,
+    assert_split_within,
+    packed_text_capture,
+    packed_vl_capture,
+    run_oracle,
+    two_sample_qwen3_capture,
+)
 
 from oracle.bundle.store import Bundle
 from oracle.errors import RankError, UsageError
@@ -21,14 +28,10 @@ from oracle.replay import token_split
 from oracle.replay.run import replay
 from oracle.replay.streaming import plan
 
-ROOT = Path(__file__).parent.parent
-CLI = [sys.executable, "-m", "oracle"]
+ROOT = Path(__file__).resolve().parents[2]
 BOUND = token_parallel.BOUND_REL
 BUDGET = "4G"
 
-
-def _run(args, env=None):
-    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
 def _split_args(cap, out, nproc=2):
@@ -37,7 +40,7 @@ def _split_args(cap, out, nproc=2):
 
 
 def _split(cap, out, nproc=2):
-    r = _run(_split_args(cap, out, nproc))
+    r = run_oracle(_split_args(cap, out, nproc))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
     return Bundle(out)
@@ -155,7 +158,7 @@ def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     both ranks finished and ends bitwise equal to the uninterrupted run."""
     cap, _, whole = qwen3
     out = tmp_path / "k"
-    r = _run(_split_args(cap, out), env={token_split.KILL_ENV: kill})
+    r = run_oracle(_split_args(cap, out), env={token_split.KILL_ENV: kill})
     dead = kill.split(":")[0]
     assert r.returncode == RankError.exit_code, r.stderr[-3000:]
     assert f"rank {dead} of 2 was killed by SIGKILL" in r.stderr
@@ -179,7 +182,7 @@ def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
     the uninterrupted run."""
     cap, _, whole = packed_vl
     out = tmp_path / "k"
-    r = _run(_split_args(cap, out), env={token_split.KILL_ENV: "1:7"})
+    r = run_oracle(_split_args(cap, out), env={token_split.KILL_ENV: "1:7"})
     assert r.returncode == RankError.exit_code and "rank 1 of 2 was killed by SIGKILL" in r.stderr, r.stderr[-3000:]
     again = _split(cap, out)
     assert again.get("streaming")["resumed"] is True
@@ -241,10 +244,10 @@ def test_what_the_streamed_split_refuses_exits_2(qwen3, tmp_path, monkeypatch):
     """Emulated dtypes spread members, not tokens; the tensor split does not stream; a budget below
     one rank's need is refused by every rank alike with the size that would do: all exit 2."""
     cap, _, _ = qwen3
-    r = _run(["replay", str(cap), "--out", str(tmp_path / "e"), "--dtype", "bf16", "--split", "tokens", "--nproc", "2",
+    r = run_oracle(["replay", str(cap), "--out", str(tmp_path / "e"), "--dtype", "bf16", "--split", "tokens", "--nproc", "2",
               "--max-memory", BUDGET])  # fmt: skip
     assert r.returncode == UsageError.exit_code == 2 and "--split tokens splits the float64 oracle" in r.stderr
-    r = _run(_split_args(cap, tmp_path / "small")[:-1] + ["64M"])
+    r = run_oracle(_split_args(cap, tmp_path / "small")[:-1] + ["64M"])
     assert r.returncode == 2 and "per rank, 2 ranks" in r.stderr and "raise it to at least" in r.stderr, r.stderr[-2000:]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing to resume: no folder left
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_split_within, env_of, packed_vl_capture, rank_pid
+from helpers import ORACLE, assert_split_within, env_of, packed_vl_capture, rank_pid, run_oracle
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -23,17 +22,13 @@ from oracle.parallel import token_parallel
 from oracle.replay import attention
 from oracle.replay.run import replay
 
-ROOT = Path(__file__).parent.parent
-CLI = [sys.executable, "-m", "oracle"]
+ROOT = Path(__file__).resolve().parents[2]
 BOUND = token_parallel.BOUND_REL
 
 
-def _run(args, **kw):
-    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, **kw)
-
 
 def _split(cap, out, nproc=2):
-    r = _run(["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", str(nproc), "--threads", "1"])
+    r = run_oracle(["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", str(nproc), "--threads", "1"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
     return Bundle(out)
@@ -146,7 +141,7 @@ def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
     stops rank 0 and exits 11 naming rank 1; no bundle is written."""
     cap, _ = qwen3
     out = tmp_path / "o"
-    p = subprocess.Popen([*CLI, "replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
+    p = subprocess.Popen([*ORACLE, "replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     killed, store, deadline = None, None, time.time() + 90
     while time.time() < deadline and p.poll() is None and killed is None:

@@ -19,16 +19,16 @@ from typer.testing import CliRunner
 
 from cli import app
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 ARGS = ["--recipe", "qwen3", "--name", "H20", "--name", "NPU", "--ensemble", "2"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("judge")
-    run_peer(str(root / "h20"), tp=2, sp=False, port=29701, vocab=200, divisible_by=128)
-    run_peer(str(root / "npu"), tp=2, sp=False, port=29711, vocab=200, divisible_by=128, fault=(1, 1.02))
+    run_peer(str(root / "h20"), tp=2, sp=False, vocab=200, divisible_by=128)
+    run_peer(str(root / "npu"), tp=2, sp=False, vocab=200, divisible_by=128, fault=(1, 1.02))
     return root
 
 
@@ -293,7 +293,7 @@ def test_rank_view_prints_every_parameter_writes_json_and_a_rank_outside_tp_is_a
 
 def test_dp_rank_outside_the_run_is_a_usage_error(tmp_path):
     """merge --dp-rank 5 of a DP 2 run exits 2 (a usage mistake, not a malformed bundle)."""
-    run_peer(str(tmp_path / "dp2"), tp=1, sp=False, dp=2, port=29721)
+    run_peer(str(tmp_path / "dp2"), tp=1, sp=False, dp=2)
     res = CliRunner().invoke(app, ["merge", str(tmp_path / "dp2" / "pre"), "--recipe", "qwen3", "--dp-rank", "5",
                                    "--out", str(tmp_path / "m")])  # fmt: skip
     assert res.exit_code == 2 and "--dp-rank 5 is outside DP size 2" in res.stderr, res.output

@@ -27,8 +27,8 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("one-run")
-    for i, (name, opts) in enumerate(RUNS.items()):
-        run_peer(str(root / name), port=29850 + 7 * i, vocab=V, divisible_by=128, **opts)
+    for name, opts in RUNS.items():
+        run_peer(str(root / name), vocab=V, divisible_by=128, **opts)
     return root
 
 

@@ -70,7 +70,7 @@ def test_statistics_dump_becomes_a_norm_only_capture(oracle_bundle, tmp_path):
 
 
 def test_megatron_tp2_dump_is_merged_and_scored(tmp_path):
-    run_peer(str(tmp_path / "run"), 2, True, port=29650, msprobe_dir=str(tmp_path / "dump"))
+    run_peer(str(tmp_path / "run"), 2, True, msprobe_dir=str(tmp_path / "dump"))
     with pytest.raises(BundleError, match="choose one with --step / --rank"):
         import_dump(tmp_path / "dump", tmp_path / "x")
     ranks = [import_dump(tmp_path / "dump", tmp_path / f"r{r}", rank=r, megatron_tp=2, megatron_rank=r, sequence_parallel=True)
@@ -98,7 +98,7 @@ def test_dump_json_cannot_point_outside_its_folder(tmp_path):
 
 def test_megatron_dp2_dump_ranks_take_their_dp_coordinates(tmp_path):
     """A dump names only its global rank: with --megatron-dp 2 rank 1 is DP rank 1, and its merge is DP rank 1's step."""
-    run_peer(str(tmp_path / "run"), 1, False, port=29660, msprobe_dir=str(tmp_path / "dump"), dp=2)
+    run_peer(str(tmp_path / "run"), 1, False, msprobe_dir=str(tmp_path / "dump"), dp=2)
     ranks = [import_dump(tmp_path / "dump", tmp_path / f"r{r}", rank=r, megatron_tp=1, megatron_dp=2, megatron_rank=r)
              for r in range(2)]  # fmt: skip
     assert [Bundle(r).get("megatron")["coords"]["dp_rank"] for r in ranks] == [0, 1]

@@ -42,8 +42,8 @@ RUNS = {  # name: (run_peer options, padded vocabulary)
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    for i, (name, (opts, _)) in enumerate(RUNS.items()):
-        run_peer(str(root / name), port=29600 + 7 * i, vocab=V, divisible_by=128, **opts)
+    for name, (opts, _) in RUNS.items():
+        run_peer(str(root / name), vocab=V, divisible_by=128, **opts)
     return root
 
 
@@ -208,8 +208,8 @@ def test_packed_boundaries_become_cu_seqlens_and_restarting_positions(peers, tmp
 def test_a_real_packed_step_merges_into_its_boundaries_and_is_another_step(tmp_path):
     """megatron-core with the attention mask reset per sample: the merge finds the samples; their gradients
     differ from the same batch unpacked, so a replay must restrict attention to each sample."""
-    run_peer(str(tmp_path / "packed"), 1, False, port=29680, vocab=V, divisible_by=128, packed=True)
-    run_peer(str(tmp_path / "plain"), 1, False, port=29690, vocab=V, divisible_by=128)
+    run_peer(str(tmp_path / "packed"), 1, False, vocab=V, divisible_by=128, packed=True)
+    run_peer(str(tmp_path / "plain"), 1, False, vocab=V, divisible_by=128)
     b = Bundle(merge_ranks([tmp_path / "packed" / "pre"], tmp_path / "packed.merged", recipe="qwen3"))
     assert b.load("inputs", "cu_seqlens").tolist() == PACKED
     assert torch.equal(b.load("inputs", "position_ids"), torch.arange(CFG["seq_len"])[None])  # mcore's rope: 0..T-1

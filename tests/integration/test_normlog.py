@@ -11,7 +11,7 @@ from oracle.errors import LogParseError
 from oracle.integrations import normlog
 from oracle.score.scorer import score
 
-LOGS = Path(__file__).with_name("data")  # copies of the original report's two rank-0 logs
+LOGS = Path(__file__).resolve().parents[1] / "data"  # copies of the original report's two rank-0 logs
 H20, NPU = LOGS / "h20_rank0_grad_norms.log", LOGS / "910b_rank0_grad_norms.log"
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import invoke
 
-from cli import app
 from oracle.bundle.store import Bundle
 from oracle.errors import OutputExists, UsageError
 from oracle.replay.run import replay
@@ -66,11 +65,6 @@ def assert_bitwise(a, b):
     assert [n for n in ga.names("grads") if not torch.equal(ga.load("grads", n), gb.load("grads", n))] == []
 
 
-def _cli(*args):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    return res
-
 
 def test_a_user_folder_named_like_the_work_folder_is_never_touched(fp32_capture, tmp_path):
     """`.o.partial` holding the user's file: exit 6 naming it, with or without --overwrite; nothing moved or deleted."""
@@ -78,12 +72,12 @@ def test_a_user_folder_named_like_the_work_folder_is_never_touched(fp32_capture,
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     for extra in ([], ["--overwrite"]):
-        res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", *extra)
+        res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", *extra)
         assert res.exit_code == 6 and ".o.partial" in res.output and "left as it is" in res.output, res.output
         assert sorted(os.listdir(mine)) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     # a forged header (right fields, no valid signature) is not ours either
     (mine / "header.json").write_text(json.dumps({"made_by": workdir.MADE_BY, "nonce": "0", "mac": "0" * 64}))
-    assert _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G").exit_code == 6
+    assert invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G").exit_code == 6
     assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "o").exists()
 
 
@@ -146,7 +140,7 @@ def test_a_damaged_work_file_is_recomputed_never_published(fp32_capture, tmp_pat
         lines = (member / "journal.jsonl").read_text().splitlines()
         lines[1] = lines[1].replace('"unit"', '"unlt"', 1)
         (member / "journal.jsonl").write_text("\n".join(lines) + "\n")
-    res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
     assert res.exit_code == 0, res.output
     assert "recomputing from there" in res.output, res.output
     assert_bitwise(tmp_path / "o", whole)
@@ -158,5 +152,5 @@ def test_a_replay_refused_for_its_budget_leaves_no_work_folder(fp32_capture, tmp
     with pytest.raises(UsageError, match="--max-memory"):
         replay(fp32_capture, tmp_path / "o", max_memory=1 << 20)
     assert not (tmp_path / ".o.partial").exists()
-    res = _cli("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G")
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G")
     assert res.exit_code == 0 and "(resumed)" not in res.output, res.output

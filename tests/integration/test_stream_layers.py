@@ -14,7 +14,7 @@ from oracle.replay import attention
 from oracle.replay.run import replay
 from oracle.replay.streaming import layers
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _grads(path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from oracle.parallel import token_parallel
 from oracle.replay import token_split
 from oracle.replay.run import replay
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUDGET = "4G"
 ADDR = {"a": "10.77.0.1", "b": "10.77.0.2"}
 RUN_S = 240  # one 2-host run of the tiny model takes ~20 s here
