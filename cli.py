@@ -213,7 +213,6 @@ def capture(
 @app.command()
 @user_errors
 def replay(
-    ctx: typer.Context,
     capture: Annotated[Path, typer.Argument(help="Capture bundle to replay.")],
     out: Annotated[Path | None, typer.Option("--out", help="Bundle directory to write (not needed with --dry-run).")] = None,
     dtype: Annotated[ReplayDtype, typer.Option(help="fp64: the oracle; others: an emulated run (noise band).")] = ReplayDtype.fp64,
@@ -232,77 +231,19 @@ def replay(
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
-    if out is None and not dry_run:
-        raise UsageError("give --out: the bundle directory to write (only --dry-run needs none)")
-    if local and max_memory is not None:
-        raise UsageError("--local replays one recorded module at a time (only that module is materialised); "
-                         "--max-memory does not apply to it: drop --max-memory")
-    if nproc > 1 and not dry_run:  # N ranks of this same command (oracle/parallel/launch.py); rank 0 prints the result
-        from oracle.parallel.launch import argv_of, launch
+    from oracle.api import ReplayOptions
+    from oracle.api import replay as api_replay
 
-        raise typer.Exit(code=launch(nproc, argv_of(ctx), threads))
-    import os
+    opts = ReplayOptions(capture=capture, out=out, dtype=dtype.value, ensemble=ensemble, verify=verify, directions=directions,
+                         local=local, modules=modules, workers=workers, members=members, max_memory=max_memory,
+                         threads=threads, dry_run=dry_run, nproc=nproc, split=split, overwrite=overwrite)  # fmt: skip
+    if opts.max_memory is not None and opts.nproc == 1 and not opts.dry_run:
+        from oracle.replay.streaming import pages
 
-    import torch
-
-    from oracle.bundle.store import Bundle
-    from oracle.replay.run import replay as do_replay
-
-    torch.set_num_threads(
-        threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads or os.cpu_count() or 1
-    )
-    budget = None
-    if max_memory is not None:
-        from oracle.replay.streaming.engine import parse_size
-
-        budget = parse_size(max_memory)
-    if dry_run:
-        from oracle.replay.streaming import plan
-
-        ranks = nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))  # per rank where the tokens are split
-        p = plan.plan(Bundle(capture), dtype.value, streamed=budget is not None, budget=budget,
-                      ranks=ranks if split == "tokens" and dtype.value == "fp64" else 1)  # fmt: skip
-        typer.echo(plan.render(p))
-        if not p["fits"]:
-            raise UsageError(p["refusal"])  # exactly what the run would refuse
-        return
-    if out is None:
-        raise UsageError("replay needs --out (only --dry-run runs without one)")
-    from oracle.parallel import distributed
-
-    if local:
-        from oracle.replay.local import replay_local
-
-        if dtype.value != "fp64":
-            raise UsageError("--local replays each module in fp64 (and emulates the capture's precision itself); drop --dtype")
-        replay_local(capture, out, modules=modules, members=members, workers=workers, overwrite=overwrite)
-        if not distributed.is_main():
-            return
-        typer.echo(f"replayed {len(Bundle(out).get('local'))} modules locally from {capture} -> {out}")
-        return
-    if modules is not None or workers != 1:
-        raise UsageError("--modules and --workers apply to --local replays only")
-
-    mode = "auto" if verify is None else ("on" if verify else "off")
-    do_replay(capture, out, dtype=dtype.value, ensemble=ensemble, verify=mode, directions=directions,
-              overwrite=overwrite, progress=ensemble > 1 or budget is not None, max_memory=budget, split=split)  # fmt: skip
-    if not distributed.is_main():
-        return
-    b = Bundle(out)
-    msg = f"replayed {capture} in {dtype.value}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
-    if b.get("streaming"):
-        st = b.get("streaming")
-        msg += (
-            f"\n  streamed within {st['max_memory'] / 2**30:.2f} GiB: peak RSS {st['peak_rss'] / 2**30:.2f} GiB, "
-            f"activations spilled {st.get('activations_spilled', 0) / 2**30:.2f} GiB" + (" (resumed)" if st["resumed"] else "")
-        )
-        msg += "".join(f"\n  work folder: {note}" for note in st.get("recomputed", []))
-    cert = b.get("certificate")
-    if cert:
-        msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
-    if b.get("numerics"):
-        msg += f"\n  float64 throughout: {b.get('numerics')['promotions']} lower-precision casts in the model code promoted"
-    typer.echo(msg)
+        pages.restart(sys.orig_argv)  # this process again, malloc on huge pages (returns where not wanted)
+    rc = api_replay(opts, echo=typer.echo)
+    if rc:
+        raise typer.Exit(code=rc)
 
 
 @app.command()
@@ -583,9 +524,6 @@ def explain(
 
 
 def main() -> None:  # console script entry point
-    from oracle.replay.streaming.pages import ensure
-
-    ensure()  # a streamed replay restarts once with malloc on huge pages (oracle/replay/streaming/pages.py)
     app()
 
 

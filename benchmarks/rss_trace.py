@@ -38,9 +38,9 @@ def main() -> None:
         del args[i : i + 2]
     cap, out = args
     if pages == "huge":
-        from oracle.replay.streaming.pages import ensure
+        from oracle.replay.streaming.pages import restart
 
-        ensure(["replay", "--max-memory"])  # restarts this process once with the tunable set
+        restart(sys.orig_argv)  # restarts this process once with the tunable set
     import resource
 
     import cli

@@ -86,7 +86,7 @@ def run(args: list[str], env_threads: int | None = None) -> dict:
     if env_threads:
         env["OMP_NUM_THREADS"] = str(env_threads)
     code = (
-        "from oracle.replay.streaming.pages import ensure\nensure()\n"  # as the command line does: huge pages when streamed
+        # a streamed replay restarts this child once with huge pages, as the command line does (cli.replay)
         "import resource, sys, time, cli\nt = time.perf_counter()\nrc = cli.app(sys.argv[1:], standalone_mode=False)\n"
         "from oracle.replay.streaming.engine import max_rss_bytes\n"  # VmHWM: ru_maxrss carries this parent's RSS
         "print('@@', time.perf_counter() - t, max_rss_bytes())\nsys.exit(rc or 0)"

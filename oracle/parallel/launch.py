@@ -1,9 +1,11 @@
 """``oracle replay ... --nproc N``: N local ranks of one replay, launched the way torchrun would.
 
-Each rank is ``python -m oracle replay ...`` (the same command without ``--nproc``) with torchrun's
-environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT a
-free port): oracle/parallel/distributed.py does the rest, exactly as under torchrun. Threads: the command's
-``--threads`` per rank, by default the cores divided among the ranks.
+Each rank is ``python -m oracle.api.worker`` reading its request (the command and its validated
+options as JSON, e.g. ``ReplayOptions.for_rank``) on stdin, never a rebuilt command line, with
+torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+MASTER_PORT a free port): oracle/parallel/distributed.py does the rest, exactly as under torchrun.
+Threads: ``threads`` per rank, by default the cores divided among the ranks. A streamed replay's
+ranks start with malloc on huge pages (``env``: oracle/replay/streaming/pages.py).
 
 The launcher is the watchdog of its children: the first rank that exits with an error stops the
 others (SIGTERM, SIGKILL after GRACE_S) and the launcher exits with that rank's code if the rank
@@ -14,14 +16,17 @@ watchdog), else with ``RankError.exit_code`` (11) and a line naming the rank and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from enum import Enum
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import RankError, UsageError
 
@@ -35,48 +40,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def argv_of(ctx, drop: tuple[str, ...] = ("nproc",)) -> list[str]:
-    """The command line that gives ``ctx``'s parsed parameters again (click), without ``drop``."""
-    args: list[str] = [ctx.info_name]
-    for p in ctx.command.params:
-        if p.name in drop or p.name not in ctx.params:
-            continue
-        v = ctx.params[p.name]
-        if p.param_type_name == "argument":
-            args += [str(x.value if isinstance(x, Enum) else x) for x in (v if isinstance(v, (list, tuple)) else [v])]
-            continue
-        if v is None or (v == p.default and not p.multiple):
-            continue
-        if p.is_flag:
-            opts = p.opts if v else p.secondary_opts
-            if opts:
-                args.append(opts[0])
-            continue
-        for x in v if p.multiple else [v]:
-            args += [p.opts[0], str(x.value if isinstance(x, Enum) else x)]
-    return args
+def per_rank_threads(nproc: int, threads: int | None) -> int:
+    """--threads per rank, by default the cores divided among the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return threads or max(1, cores // nproc)
 
 
-def launch(nproc: int, argv: list[str], threads: int | None) -> int:
-    """Run ``python -m oracle *argv`` as ``nproc`` ranks; return the exit code of the whole run."""
+def launch(nproc: int, request: dict[str, Any], threads: int, *, env: dict[str, str] | None = None,
+           echo: Callable[[str], None] | None = None) -> int:  # fmt: skip
+    """Run ``request`` (``{"command": ..., "options": {...}}``) on ``nproc`` ranks of ``python -m
+    oracle.api.worker``; return the exit code of the whole run. ``env``: variables every rank starts
+    with (a streamed replay's malloc tunable); ``echo``: where the ranks' stdout lines go (default:
+    this process's stdout)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--nproc inside torchrun: torchrun already starts the ranks; drop --nproc")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_rank = threads or max(1, cores // nproc)
-    if "--threads" not in argv:
-        argv = [*argv, "--threads", str(per_rank)]
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parent.parent.parent)
     port = free_port()
+    payload = json.dumps(request).encode()
     procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
     for r in range(nproc):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(per_rank),
+        rank_env = {**os.environ, **(env or {}), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
                "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-m", "oracle", *argv], env=env))
+        p = subprocess.Popen([sys.executable, "-m", "oracle.api.worker"], env=rank_env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE if echo else None, text=False)  # fmt: skip
+        p.stdin.write(payload)
+        p.stdin.close()
+        procs.append(p)
+        if echo:
+            t = threading.Thread(target=_relay, args=(p.stdout, echo), daemon=True)
+            t.start()
+            readers.append(t)
     try:
         return _watch(procs)
     finally:
         _stop(procs)
+        for t in readers:
+            t.join(timeout=GRACE_S)
+
+
+def _relay(stream, echo: Callable[[str], None]) -> None:
+    for line in iter(stream.readline, b""):
+        echo(line.decode(errors="replace").rstrip("\n"))
 
 
 def _watch(procs: list[subprocess.Popen]) -> int:

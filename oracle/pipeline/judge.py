@@ -17,7 +17,6 @@ Stages, each reused when its inputs are unchanged (``stages.py``):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Any
 from ..bundle.store import Bundle
 from ..errors import InputNotFound, OracleError, UsageError
 from ..precision import CAPTURE_NAMES
+from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
 from . import answers as answers_mod
@@ -81,26 +81,14 @@ def _size(b: float) -> str:
     return next(f"{b / 2**k:.2f} {u}" for k, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if b >= 2**k or k == 0)
 
 
-def _replay_cmd(cap: Path, out: Path, dtype: str, ensemble: int, budget: str | None, nproc: int, threads: int | None,
-                local: bool = False, members: int = 2) -> list[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "oracle", "replay", str(cap), "--out", str(out), "--overwrite", "--nproc", str(nproc)]
-    if local:
-        cmd += ["--local", "--members", str(members)]
-    else:
-        cmd += ["--dtype", dtype] + (["--ensemble", str(ensemble)] if ensemble > 1 else [])
-        cmd += ["--max-memory", budget] if budget else []
-    return cmd + (["--threads", str(threads)] if threads else [])
+def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
+    """Run a replay stage on ``opts.nproc`` ranks; their stdout goes to the progress stream (the
+    judge's stdout is the report), their stderr (progress bars, errors) passes through."""
+    from ..replay.ranks import launch_ranks
 
-
-def _subprocess(cmd: list[str], what: str, echo: Callable[[str], None]) -> None:
-    """Run a replay stage as ``oracle replay --nproc``; its stdout goes to the progress stream (the
-    judge's stdout is the report), its stderr (progress bars, errors) passes through."""
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    for line in res.stdout.splitlines():
-        echo(f"  {line}")
-    rc = res.returncode
+    rc = launch_ranks(opts, echo=lambda line: echo(f"  {line}"))
     if rc:
-        raise StageFailed(f"{what} stopped (exit {rc}): {' '.join(cmd)}; rerun `oracle judge` to resume", rc)
+        raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
 
 
 def replayable(caps: list[Bundle]) -> int:
@@ -143,9 +131,9 @@ class Judge:
     def _replay(self, cap: Path, out: Path, overwrite: bool, dtype: str, ensemble: int = 1) -> None:
         tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
         if self.nproc > 1 and tp_ok:
-            _subprocess(
-                _replay_cmd(cap, out, dtype, ensemble, self.max_memory, self.nproc, self.threads), f"replay {dtype}", self._echo
-            )
+            opts = ReplayOptions(capture=cap, out=out, dtype=dtype, ensemble=ensemble, max_memory=self.max_memory,
+                                 nproc=self.nproc, threads=self.threads, overwrite=True)  # fmt: skip
+            _ranks(opts, f"replay {dtype}", self._echo)
             return
         from ..replay.run import replay
 
@@ -154,8 +142,9 @@ class Judge:
 
     def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
         if self.nproc > 1:
-            _subprocess(_replay_cmd(cap, out, "fp64", 1, None, self.nproc, self.threads, local=True, members=self.members),
-                        "local replay", self._echo)  # fmt: skip
+            opts = ReplayOptions(capture=cap, out=out, local=True, members=self.members, nproc=self.nproc,
+                                 threads=self.threads, overwrite=True)  # fmt: skip
+            _ranks(opts, "local replay", self._echo)
             return
         from ..replay.local import replay_local
 

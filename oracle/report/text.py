@@ -88,3 +88,25 @@ def render_explain(res: dict[str, Any]) -> str:
                      f"{r['share_except']:>12.1%} {_f(r['rel_only']):>11}")  # fmt: skip
     lines += ["", "verdict: " + res["text"]]
     return "\n".join(lines)
+
+
+def render_replay(capture, out, dtype: str) -> str:
+    """What ``oracle replay`` prints once the bundle at ``out`` is written: loss, time, the streaming
+    record (peak RSS against the budget, spilled activations, resumed work), the certificate, the promotions."""
+    from ..bundle.store import Bundle
+
+    b = Bundle(out)
+    msg = f"replayed {capture} in {dtype}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
+    if b.get("streaming"):
+        st = b.get("streaming")
+        msg += (
+            f"\n  streamed within {st['max_memory'] / 2**30:.2f} GiB: peak RSS {st['peak_rss'] / 2**30:.2f} GiB, "
+            f"activations spilled {st.get('activations_spilled', 0) / 2**30:.2f} GiB" + (" (resumed)" if st["resumed"] else "")
+        )
+        msg += "".join(f"\n  work folder: {note}" for note in st.get("recomputed", []))
+    cert = b.get("certificate")
+    if cert:
+        msg += f"\n  certificate: finite-difference residual {cert['fd_rel_residual']:.1e} over {cert['directions']} directions"
+    if b.get("numerics"):
+        msg += f"\n  float64 throughout: {b.get('numerics')['promotions']} lower-precision casts in the model code promoted"
+    return msg

@@ -3,9 +3,11 @@ ordinary bundle, a killed or hung rank named and the run resumed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,30 +164,47 @@ def test_the_tensor_parallel_plan_splits_heads_and_mlp_and_refuses_uneven_splits
         replay(cap, tmp_path / "d", max_memory=1 << 30)
 
 
-def test_nproc_relaunches_the_same_command(cap, tmp_path, monkeypatch):
-    """The ranks get the parsed command back without --nproc (and with --threads)."""
+def test_nproc_hands_the_ranks_the_validated_options_not_a_command_line(cap, tmp_path, monkeypatch):
+    """The ranks get the parsed options back as JSON (one process each, their threads), and a streamed
+    replay's ranks start with malloc's huge-pages tunable."""
     seen = {}
 
-    def fake(nproc, argv, threads):
-        seen.update(nproc=nproc, argv=argv, threads=threads)
+    def fake(nproc, request, threads, *, env=None, echo=None):
+        seen.update(nproc=nproc, request=request, threads=threads, env=env)
         return 0
 
-    monkeypatch.setattr("oracle.parallel.launch.launch", fake)
+    monkeypatch.setattr("oracle.replay.ranks.launch", fake)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("ORACLE_HUGE_PAGES", raising=False)
     r = CliRunner().invoke(app, ["replay", str(cap), "--out", str(tmp_path / "x"), "--dtype", "amp-bf16", "--ensemble", "3",
                                  "--max-memory", "2G", "--no-verify", "--nproc", "4", "--threads", "2"])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen["nproc"] == 4 and seen["threads"] == 2
-    a = seen["argv"]
-    assert a[:2] == ["replay", str(cap)] and "--nproc" not in a
-    assert "--no-verify" in a
-    rest = [x for x in a[2:] if x != "--no-verify"]
-    pairs = dict(zip(rest[::2], rest[1::2]))
-    assert pairs == {
-        "--out": str(tmp_path / "x"),
-        "--dtype": "amp-bf16",
-        "--ensemble": "3",
-        "--max-memory": "2G",
-        "--threads": "2",
-    }
+    assert seen["request"]["command"] == "replay"
+    o = seen["request"]["options"]
+    assert json.loads(json.dumps(seen["request"])) == seen["request"]  # JSON as it travels
+    assert o["capture"] == str(cap) and o["out"] == str(tmp_path / "x") and o["nproc"] == 1 and o["threads"] == 2
+    assert (o["dtype"], o["ensemble"], o["max_memory"], o["verify"]) == ("amp-bf16", 3, "2G", False)
+    if sys.platform.startswith("linux"):
+        assert "glibc.malloc.hugetlb=1" in seen["env"]["GLIBC_TUNABLES"]
+
+
+def test_the_worker_runs_a_request_and_speaks_like_the_cli(cap, tmp_path):
+    """python -m oracle.api.worker: the JSON request replays (the same bundle as the library call); a
+    request the options refuse is exit 2 with the CLI's message, no traceback."""
+    from oracle.replay.options import ReplayOptions
+
+    opts = ReplayOptions(capture=cap, out=tmp_path / "w", dtype="amp-bf16", verify=False, threads=1)
+    req = json.dumps({"command": "replay", "options": opts.for_rank(1)})
+    r = subprocess.run([sys.executable, "-m", "oracle.api.worker"], input=req, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"replayed {cap} in amp-bf16")
+    ref = tmp_path / "ref"
+    replay(cap, ref, dtype="amp-bf16", verify="off")
+    wa, wb = Bundle(tmp_path / "w"), Bundle(ref)
+    assert all(torch.equal(wa.load("grads", n), wb.load("grads", n)) for n in wb.names("grads"))
+    bad = json.dumps({"command": "replay", "options": {**opts.for_rank(1), "local": True}})
+    r = subprocess.run([sys.executable, "-m", "oracle.api.worker"], input=bad, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "error: --local" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -1,5 +1,5 @@
 """A streamed replay restarts itself once with malloc's large chunks on transparent huge pages
-(oracle/replay/streaming/pages.py); nothing else does."""
+(oracle/replay/streaming/pages.py), its --nproc ranks start so; nothing else does."""
 
 from __future__ import annotations
 
@@ -15,43 +15,53 @@ from oracle.replay.streaming import pages
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_only_a_streamed_replay_without_the_tunable_restarts():
-    """replay --max-memory (either spelling) wants it; other commands, a set tunable, or ORACLE_HUGE_PAGES=0 do not."""
-    assert pages.wanted(["replay", "cap", "--out", "o", "--max-memory", "4G"], {})
-    assert pages.wanted(["replay", "cap", "--max-memory=4G"], {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-    assert not pages.wanted(["replay", "cap", "--out", "o"], {})
-    assert not pages.wanted(["capture", "--max-memory", "4G"], {})
-    assert not pages.wanted(["replay", "cap", "--max-memory", "4G"], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
-    assert not pages.wanted(["replay", "cap", "--max-memory", "4G"], {"ORACLE_HUGE_PAGES": "0"})
+def test_the_tunable_is_wanted_unless_set_or_switched_off():
+    """Wanted on Linux; not where GLIBC_TUNABLES already has it or ORACLE_HUGE_PAGES=0."""
+    linux = sys.platform.startswith("linux")
+    assert pages.wanted({}) == linux
+    assert pages.wanted({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == linux
+    assert not pages.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert not pages.wanted({"ORACLE_HUGE_PAGES": "0"})
+    if linux:
+        assert pages.tunable_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+            "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert pages.tunable_env({"ORACLE_HUGE_PAGES": "0"}) == {}
 
 
-def test_ensure_restarts_the_same_command_line_with_the_tunable_added(monkeypatch):
-    """The same interpreter and arguments, GLIBC_TUNABLES keeping what was there plus hugetlb=1."""
+def test_restart_runs_the_given_command_line_again_with_the_tunable_added(monkeypatch):
+    """The same interpreter and arguments, GLIBC_TUNABLES keeping what was there plus hugetlb=1; once set, no restart."""
     seen = {}
     monkeypatch.setattr(os, "execve", lambda exe, argv, env: seen.update(exe=exe, argv=argv, env=env))
-    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "oracle", "replay", "c", "--max-memory", "1G"])
+    monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     monkeypatch.delenv("ORACLE_HUGE_PAGES", raising=False)
-    pages.ensure(["replay", "c", "--max-memory", "1G"])
+    pages.restart([sys.executable, "-m", "oracle", "replay", "c", "--max-memory", "1G"])
     assert seen["exe"] == sys.executable and seen["argv"] == [sys.executable, "-m", "oracle", "replay", "c", "--max-memory", "1G"]
     assert seen["env"]["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     seen.clear()
-    pages.ensure(["replay", "c"])  # not streamed: no restart
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    pages.restart([sys.executable, "-m", "oracle", "replay", "c", "--max-memory", "1G"])
     assert seen == {}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables")
-def test_the_command_line_runs_a_streamed_replay_with_the_tunable(tmp_path):
-    """A process started for replay --max-memory restarts exactly once and then carries the tunable
-    (the probe line is written only after the restart: one line, with hugetlb=1)."""
-    probe = tmp_path / "env"
-    code = ("import os, sys; sys.argv[0] = 'oracle'; from oracle.replay.streaming.pages import ensure; ensure(); "
-            f"open({str(probe)!r}, 'a').write(os.environ.get('GLIBC_TUNABLES', '') + '\\n')")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "ORACLE_HUGE_PAGES")}
-    r = subprocess.run([sys.executable, "-c", code, "replay", "missing", "--max-memory", "1G"], cwd=ROOT, env=env,
-                       capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert probe.read_text().splitlines() == ["glibc.malloc.hugetlb=1"]  # restarted once, with the tunable
+def test_only_the_streamed_replay_command_restarts(fp32_capture, tmp_path, monkeypatch):
+    """oracle replay --max-memory restarts its own command line (sys.orig_argv); in memory, a dry run
+    or another command never does."""
+    from helpers import invoke
+
+    calls = []
+
+    def fake(argv):
+        calls.append(list(argv))
+        raise SystemExit(0)  # the restarted process would carry on from here
+
+    monkeypatch.setattr(pages, "restart", fake)
+    invoke("replay", fp32_capture, "--out", tmp_path / "a", "--max-memory", "1G", "--no-verify")
+    assert calls == [list(sys.orig_argv)]
+    invoke("replay", fp32_capture, "--out", tmp_path / "b", "--max-memory", "1G", "--dry-run")
+    r = invoke("replay", fp32_capture, "--out", tmp_path / "c", "--no-verify", "--dtype", "amp-bf16")
+    assert r.exit_code == 0, r.output
+    assert len(calls) == 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

@@ -1,5 +1,5 @@
 """The tree is the architecture: the engine's packages follow the data's path, imports point one
-way (CLI -> integrations -> score/report -> replay -> parallel -> capture -> bundle -> root) and no
+way (CLI -> api -> pipeline -> integrations -> score/report -> replay -> parallel -> capture -> bundle -> root) and no
 module imports itself back through another, lazy imports inside functions included."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TIERS = {
     "oracle.score": 5, "oracle.report": 5,
     "oracle.integrations": 6,
     "oracle.pipeline": 7,
+    "oracle.api": 8,
 }  # fmt: skip
 FACE = {"oracle", "oracle.__main__"}
 MAX_ROOT_MODULES = 6  # __init__, __main__, errors, recipe, version, metrics

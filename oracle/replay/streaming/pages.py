@@ -8,8 +8,9 @@ streamed against 1.32 M and 2.0 s in memory, for 14.2 s of user time in both. gl
 ``glibc.malloc.hugetlb=1`` makes malloc advise its mmapped chunks onto transparent huge pages (2 MiB,
 where the kernel's THP mode is ``madvise`` or ``always``): 0.24x the faults, 0.55x the system time,
 the same peak RSS, the same bits. A tunable is read when the process starts, so the command line
-restarts itself once with it set (``ensure``), before anything is imported; ``ORACLE_HUGE_PAGES=0``
-keeps the process as it is.
+restarts itself once with it set (``restart``, called by the CLI's replay once its options are
+valid), and ``--nproc`` ranks start with it (``tunable_env``); ``ORACLE_HUGE_PAGES=0`` keeps the
+process as it is.
 """
 
 from __future__ import annotations
@@ -20,20 +21,23 @@ import sys
 TUNABLE = "glibc.malloc.hugetlb"
 
 
-def wanted(argv: list[str], env: dict[str, str]) -> bool:
-    """A streamed replay (``replay ... --max-memory``), the tunable not set, not switched off."""
+def wanted(env: dict[str, str]) -> bool:
+    """For a streamed replay about to start: the tunable not set yet, not switched off, Linux."""
     if env.get("ORACLE_HUGE_PAGES", "1") == "0" or TUNABLE in env.get("GLIBC_TUNABLES", ""):
         return False
-    if not sys.platform.startswith("linux"):
-        return False
-    return "replay" in argv and any(a == "--max-memory" or a.startswith("--max-memory=") for a in argv)
+    return sys.platform.startswith("linux")
 
 
-def ensure(argv: list[str] | None = None) -> None:
-    """Restart this command line (same interpreter, same arguments) with the tunable set, if wanted."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not wanted(argv, dict(os.environ)):
-        return
-    env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), f"{TUNABLE}=1"]))
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+def tunable_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables a process must start with to have the tunable (nothing where it is not wanted)."""
+    if not wanted(env):
+        return {}
+    return {"GLIBC_TUNABLES": ":".join(filter(None, [env.get("GLIBC_TUNABLES"), f"{TUNABLE}=1"]))}
+
+
+def restart(argv: list[str]) -> None:
+    """Restart this process (``argv``: its own full command line, ``sys.orig_argv``, as the caller
+    holds it) with the tunable set, if wanted; return only where it is not."""
+    extra = tunable_env(dict(os.environ))
+    if extra:
+        os.execve(sys.executable, [sys.executable, *argv[1:]], {**os.environ, **extra})
