@@ -222,3 +222,24 @@ def test_the_logs_alone_print_the_environment_variable_recipe():
     assert "ORACLE_CAPTURE=/shared/910b-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ..." in out
     assert "oracle judge /shared/h20-step/pre /shared/910b-step/pre --recipe qwen3-vl --name H20 --name 910B" in out
     assert out.index("ORACLE_CAPTURE=") < out.index("Only for a custom training loop") < out.index("capture_rank(model")
+
+
+def test_judge_writes_the_bound_into_its_text_json_and_html(step, tmp_path):
+    """`oracle judge` on the honest capture and one with 3x the bound at layer 0: every report file carries the bound."""
+    _, cap, _, _ = step
+    bad, b = _planted(step, "layers.0", 3.0)
+    work = tmp_path / "work"
+    res = CliRunner().invoke(app, ["judge", cap, bad, "--name", "H20", "--name", "NPU", "--ensemble", "2", "--out", str(work)])
+    assert res.exit_code == 0, res.output
+    assert "H20: within the analytic bound at every layer" in res.stdout
+    assert "NPU: beyond the analytic bound at 1/" in res.stdout and "first along the backward at layers.0 (3.0x)" in res.stdout
+    doc = json.loads((work / "report" / "judge.json").read_text())
+    npu = next(c for c in doc["score"]["captures"] if c["name"] == "NPU")
+    row = next(r for r in npu["layers"] if r["name"] == "layers.0")
+    n_acc = next(r["num_tokens"] for r in doc["runs"] if r["name"] == "NPU")  # the accumulation term: 2^-16 sqrt(N) u
+    assert n_acc and row["bound"] == pytest.approx(bound.bound(4, "bf16", n_acc=n_acc), rel=1e-12)
+    assert row["bound"] == pytest.approx(b, rel=1e-3) and row["bound_class"] == "beyond"
+    assert [r["run"] for r in doc["answers"]["bound"]["per_run"]] == ["H20", "NPU"]
+    page = (work / "report" / "index.html").read_text()
+    assert "<th>analytic bound</th>" in page and "class='bound'" in page and "NPU: beyond the analytic bound" in page
+    assert "x bound" in (work / "report" / "judge.txt").read_text()

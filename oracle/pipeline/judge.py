@@ -440,7 +440,7 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     if num_layers is not None and num_layers < 1:
         raise UsageError(f"--num-layers {num_layers}: the model's decoder layers, at least 1")
     cmp = normlog.compare(normlog.parse(log_a), normlog.parse(log_b), labels)
-    bnd = bound_mod.logs_verdict(cmp["layers"], precision=precision, depth=num_layers)
+    bnd = bound_mod.logs_verdict(cmp["layers"], precision=precision, depth=num_layers, params=cmp["params"])
     if num_layers is not None and num_layers < bnd["named_depth"]:
         raise UsageError(f"--num-layers {num_layers}: the logs name {bnd['named_depth']} decoder layers; give at least that")
     shows = [ln for ln in cmp["summary"].splitlines() if not ln.startswith("What this cannot tell")]

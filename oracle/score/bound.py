@@ -234,7 +234,8 @@ def proven_error(ratio: float) -> float:
     return abs(ratio - 1.0) / (1.0 + ratio)
 
 
-def logs_verdict(layers: list[dict[str, Any]], *, precision: str = "bf16", depth: int | None = None) -> dict[str, Any]:
+def logs_verdict(layers: list[dict[str, Any]], *, precision: str = "bf16", depth: int | None = None,
+                 params: list[dict[str, Any]] = ()) -> dict[str, Any]:  # fmt: skip
     """The bound against what two norm logs prove, per layer (``normlog.compare``'s layer rows, backward
     order: ``layer``, ``ratio``). ``depth``: the model's decoder layers; default the logs' own count
     (a log of one pipeline stage or an excerpt names fewer: the bound is then lower than the model's,
@@ -244,6 +245,9 @@ def logs_verdict(layers: list[dict[str, Any]], *, precision: str = "bf16", depth
     L = depth or named
     ns = exponents(labels, L)
     k = constants(precision, L)
+    partial = {}
+    for p in params:  # pre-finalize partial sums (norm weights under SP): their norms follow each run's chunking
+        partial[p["layer"]] = partial.get(p["layer"], 0) + bool(p.get("partial_sum"))
     rows = []
     for r in layers:
         n = ns[r["layer"]]
@@ -251,7 +255,8 @@ def logs_verdict(layers: list[dict[str, Any]], *, precision: str = "bf16", depth
         e = proven_error(r["ratio"])
         rows.append({"layer": r["layer"], "n": n, "ratio": r["ratio"], "diff": abs(r["ratio"] - 1.0), "proven": e,
                      "bound": b, "pair_bound": 2 * b / (1 - b), "beyond": e > b,
-                     "depth_needed": depth_needed(e, precision) if math.isfinite(e) else None})  # fmt: skip
+                     "depth_needed": depth_needed(e, precision) if math.isfinite(e) else None,
+                     "partial_sums": partial.get(r["layer"], 0)})  # fmt: skip
     inp = rows[-1] if rows else None  # the input end: the embedding in a decoder's log
     src = (f"L = {L} decoder layers, " + ("given" if depth else "as many as the logs name: a log of one pipeline stage "
            "or an excerpt names fewer than the model has, and a deeper model's bound is larger (--num-layers)"))  # fmt: skip
@@ -274,9 +279,16 @@ def logs_verdict(layers: list[dict[str, Any]], *, precision: str = "bf16", depth
                    + ("BEYOND honest round-off for this depth" if beyond else "within honest round-off for this depth")
                    + (f"; honest noise reaches it only in a model of at least {at_depth} decoder layers" if beyond and at_depth
                       else ""))  # fmt: skip
+        if inp["partial_sums"]:
+            verdict += (f" (its ratio includes {inp['partial_sums']} pre-finalize partial sum(s), whose norms depend on "
+                        "how each run chunked the sequence)")  # fmt: skip
         lines.append(verdict)
     out_of = [r["layer"] for r in rows if r["beyond"]]
     if out_of:
         lines.append(f"beyond the bound: {len(out_of)}/{len(rows)} layers ({', '.join(out_of)})")
+    if any(r["partial_sums"] for r in rows):
+        lines.append("a layer's ratio includes its norm weights, which a pre-finalize print under sequence parallel holds as "
+                     "per-rank partial sums: a ratio there may be chunking, not arithmetic; a layer without them "
+                     "(the embedding, a TP shard) is free of that")  # fmt: skip
     return {"constants": k, "named_depth": named, "rows": rows, "verdict": verdict,
             "beyond": bool(inp and inp["beyond"]), "lines": lines}  # fmt: skip
