@@ -166,7 +166,7 @@ def test_the_users_logs_are_beyond_the_bound_at_the_embedding(tmp_path):
     assert res.exit_code == 0, res.output
     out = res.stdout
     b3 = bound.bound(4, "bf16")
-    assert f"L = 3 decoder layers, as many as the logs name" in out
+    assert "L = 3 decoder layers, as many as the logs name" in out
     assert (f"embedding: the norms differ by |r-1| = 48.1% (r = 1.4815), so at least one run is at least |r-1|/(1+r) = 19.4% "
             f"off the truth there, {0.4815 / 2.4815 / b3:.1f}x the bound {b3:.1%}: BEYOND honest round-off for this depth") in out
     doc = json.loads((tmp_path / "o" / "judge.json").read_text())
