@@ -130,6 +130,7 @@ def judge(
     nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
+    num_layers: Annotated[int | None, typer.Option(help="The logs alone: the model's decoder layers for the round-off bound (default: as many as the logs name).")] = None,
 ) -> None:  # fmt: skip
     """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op."""
     from oracle.pipeline.judge import Judge, judge_logs
@@ -138,7 +139,7 @@ def judge(
     if not runs:
         if not (log_a and log_b):
             raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
-        typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out)))
+        typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out, num_layers=num_layers)))
         return
     if len(runs) != 2:
         raise UsageError(f"judge takes two runs (A and B), got {len(runs)}")

@@ -1,7 +1,9 @@
 """The four questions of a cross-device comparison, answered in words from the stages' results.
 
 1. bug or honest noise?  per run, its own verdict against the band of its own precision
-   (``score``: excess = rel_l2 / band per layer, beyond when excess > margin);
+   (``score``: excess = rel_l2 / band per layer, beyond when excess > margin); beside it, per layer,
+   the analytic round-off bound k C^n u (``score/bound.py``: rel_l2 <= bound, no margin), and where
+   the two part (beyond the bound but within the band, or the reverse) it is said; the band rules;
 2. which run is farther from the truth?  per layer, the run with the larger rel_l2 loses it
    (``score``'s comparison; a tie or a non-finite layer is won by nobody);
 3. where is it born?  with module boundaries: the local replay's culprit (module, forward or
@@ -32,6 +34,7 @@ import re
 from typing import Any
 
 from ..integrations.normlog import kind_of
+from ..score import bound as bound_mod
 
 SCHEMA_VERSION = 1
 _PROJ = re.compile(r"(_proj|linear_fc1|linear_fc2|linear_qkv|linear_proj|qkv|fc1|fc2|proj)$")
@@ -224,9 +227,10 @@ def build(
     a1, a2 = noise(score), farther(score)
     a3 = born(score, local, m)
     a4 = op_class(score, explained, a3["per_run"], m)
+    a1b = bound_mod.annotate(score, {c["name"]: c.get("num_tokens") for c in score["captures"]})
     return {
         "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4), "runs": runs,
-        "answers": {"noise": a1, "farther": a2, "born": a3, "op_class": a4},
+        "answers": {"noise": a1, "bound": a1b, "farther": a2, "born": a3, "op_class": a4},
         "not_concluded": not_concluded(score, local, runs, logs), "logs": logs,
         "score": score, "local": local, "explain": explained,
     }  # fmt: skip

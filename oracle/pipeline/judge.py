@@ -380,26 +380,31 @@ def logs_against_truth(truth: Path, logs: list[Path], names: list[str]) -> dict[
 
 
 CAPTURE_COMMANDS = """\
-On each cluster, in the training script, capture the same step (same weights and batch: pin the seed and
-the data order) right after the last backward and before finalize_model_grads, the point the norms were
-printed at:
+On each cluster, the training command as it is, one variable more (first `pip install oracle-fp64` in the
+training environment; it adds only itself). Every rank writes its view of the step, before (pre/) and after
+(post/) finalize_model_grads; the norms were printed before it. Capture the same step on both: the same
+weights, seed and data order (ORACLE_CAPTURE_STEP=N for a later step than the first).
+
+    # {a} (megatron-core 0.12.1)
+    ORACLE_CAPTURE=/shared/{da}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ...   # your flags unchanged
+    # {b} (MindSpeed)
+    ORACLE_CAPTURE=/shared/{db}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ...
+
+(ORACLE_CAPTURE_MODULES=layers as well records the decoder layers' boundaries: the judge then replays each
+layer alone and says where the error is born.) Copy both folders to one CPU host, then:
+
+    pip install "oracle-fp64[host]"
+    oracle judge /shared/{da}-step/pre /shared/{db}-step/pre --recipe qwen3-vl --name {a} --name {b} \\
+        --max-memory 48G --out judge/ --dry-run            # what it will cost, stage by stage
+    oracle judge /shared/{da}-step/pre /shared/{db}-step/pre --recipe qwen3-vl --name {a} --name {b} \\
+        --max-memory 48G --out judge/ --log-a {log_a} --log-b {log_b}
+
+Only for a custom training loop (not megatron-core's schedules, so ORACLE_CAPTURE sees no step): call the
+hook yourself right after the last backward, before finalize_model_grads:
 
     from oracle.integrations.megatron.hook import capture_rank
-    capture_rank(model, CAPTURE_DIR, stage="pre-finalize", batch=batch, loss=loss, num_tokens=n_tokens,
+    capture_rank(model, "/shared/{da}-step/pre", stage="pre-finalize", batch=batch, loss=loss, num_tokens=n_tokens,
                  vocab_size=tokenizer.vocab_size, packed_seq_params=packed_seq_params)
-
-  {a} (Megatron-LM core / ms-swift):  CAPTURE_DIR = "{da}/pre"; run the step as usual (torchrun)
-  {b} (MindSpeed):                    CAPTURE_DIR = "{db}/pre"; the same call in MindSpeed's step
-Copy both folders to one CPU host, then:
-
-    oracle judge {da}/pre {db}/pre --recipe qwen3-vl --name {a} --name {b} --out judge/ --max-memory 48G \\
-        --log-a {log_a} --log-b {log_b}
-
-Outside Megatron, with the tool's own capture (one sample, with module boundaries for the local replay):
-
-    oracle capture --out {da}.bundle --model DIR --sample train.jsonl --index 0 --device cuda --precision bf16 --modules all
-    oracle capture --out {db}.bundle --model DIR --sample train.jsonl --index 0 --device npu --precision bf16 --modules all
-    oracle judge {da}.bundle {db}.bundle --name {a} --name {b} --out judge/
 """
 
 
@@ -407,9 +412,13 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name.lower()) or "run"
 
 
-def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | None) -> dict[str, Any]:
-    """The logs alone (no capture): what they show, what they cannot, and how to capture."""
+def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | None, *, precision: str = "bf16",
+               num_layers: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The logs alone (no capture): what they show, whether the gap is beyond honest round-off by the
+    analytic bound (``score/bound.py``: ``precision`` the runs' working precision, ``num_layers`` the
+    model's decoder layers, default as many as the logs name), what they cannot tell, and how to capture."""
     from ..integrations import normlog
+    from ..score import bound as bound_mod
 
     for lg in (log_a, log_b):
         if not Path(lg).is_file():
@@ -417,16 +426,22 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     labels = tuple(names) if names else (Path(log_a).stem, Path(log_b).stem)
     if len(labels) != 2 or labels[0] == labels[1]:
         raise UsageError("give two distinct --name values, one per log")
+    if num_layers is not None and num_layers < 1:
+        raise UsageError(f"--num-layers {num_layers}: the model's decoder layers, at least 1")
     cmp = normlog.compare(normlog.parse(log_a), normlog.parse(log_b), labels)
+    bnd = bound_mod.logs_verdict(cmp["layers"], precision=precision, depth=num_layers, params=cmp["params"])
+    if num_layers is not None and num_layers < bnd["named_depth"]:
+        raise UsageError(f"--num-layers {num_layers}: the logs name {bnd['named_depth']} decoder layers; give at least that")
     shows = [ln for ln in cmp["summary"].splitlines() if not ln.startswith("What this cannot tell")]
     cannot = [
         "which run is right: a norm ratio says the runs disagree, not which one is off the truth",
-        "whether the gap exceeds honest bf16 noise of each run: that needs a noise band of the same step",
+        "whether each run alone is honest noise of its precision: the bound above says whether the gap between them can "
+        "be; which run makes it needs the truth, and a noise band measured on the same step is sharper than the bound",
         "where the error is born (module, forward or backward) and which op class explains it: that needs the "
         "gradients themselves, replayed in float64",
     ]
     doc = {"schema_version": answers_mod.SCHEMA_VERSION, "kind": "oracle-judge-logs", "names": list(labels),
-           "shows": shows, "cannot_conclude": cannot,
+           "shows": shows, "bound": bnd, "cannot_conclude": cannot,
            "capture_commands": CAPTURE_COMMANDS.format(a=labels[0], b=labels[1], da=_slug(labels[0]), db=_slug(labels[1]), log_a=log_a, log_b=log_b), "compare": cmp,
            "compare_text": normlog.render_compare(cmp)}  # fmt: skip
     if out is not None:

@@ -39,6 +39,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.fill_between(x, [r["band"] for r in rows], [r["band"] * result["margin"] for r in rows], color=color,
                         alpha=0.1, label=f"{c['name']}: up to band x margin ({result['margin']:g})")  # fmt: skip
         ax.plot(x, [max(r[metric], 1e-18) for r in rows], "o-", color=color, label=f"{c['name']} ({c['precision']})")
+        if rows and all("bound" in r for r in rows):  # judge: the analytic bound k C^n u (score/bound.py)
+            ax.plot(x, [r["bound"] for r in rows], ":", color=color, lw=1.5, label=f"{c['name']}: analytic bound k C^n u")
         on = c["verdict"].get("onset")
         if on:
             ax.axvline(xs[on["layer"]], color=color, ls="--", lw=1)
@@ -72,10 +74,14 @@ def layer_table(c: dict[str, Any]) -> str:
     """One capture's per-layer table (loss end first) as HTML: the metric, band, excess, class, worst parameter."""
     e = html.escape
     metric = "norm_dev" if c["norms_only"] else "rel_l2"
-    rows = [f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th><th>class</th><th>worst parameter</th></tr>"]
+    has_bound = any("bound" in r for r in c["layers"])  # judge: the analytic bound beside the band (score/bound.py)
+    bh = "<th>analytic bound</th><th>x bound</th>" if has_bound else ""
+    rows = [f"<table><tr><th>layer</th><th>{metric}</th><th>band</th><th>excess</th>{bh}<th>class</th><th>worst parameter</th></tr>"]
     for r in c["layers"]:
+        bc = f"<td>{r['bound']:.3e}</td><td>{r['bound_excess']:.2f}</td>" if has_bound else ""
+        cls = r["class"] + (f"; {r['disagrees']}" if r.get("disagrees") else "")
         rows.append(f"<tr class='{r['class']}'><td>{e(r['name'])}</td><td>{r[metric]:.3e}</td><td>{r['band']:.3e}</td>"
-                    f"<td>{r['excess']:.2f}</td><td>{r['class']}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
+                    f"<td>{r['excess']:.2f}</td>{bc}<td>{e(cls)}</td><td>{e(r['worst_param'])}</td></tr>")  # fmt: skip
     return "\n".join([*rows, "</table>"])
 
 

@@ -42,6 +42,17 @@ def _per_run_lines(key: str, a: dict[str, Any]) -> list[str]:
     return out
 
 
+def bound_lines(b: dict[str, Any]) -> list[str]:
+    """The analytic bound's answer under question 1: its constants, per run where it stands, where it and the band part."""
+    out = []
+    for r in b["per_run"]:
+        k = r["constants"]
+        out.append(f"analytic round-off bound k C^n u ({k['precision']}: u = {k['u_text']}, k = {k['k']:.3g}, C = {k['C']:g}, "
+                   f"L = {k['L']}): {r['text']}")  # fmt: skip
+        out += r["lines"]
+    return out
+
+
 def render_judge(doc: dict[str, Any]) -> str:
     a = doc["answers"]
     lines = [doc["headline"], ""]
@@ -49,6 +60,8 @@ def render_judge(doc: dict[str, Any]) -> str:
         lines.append(q)
         lines.append(f"   {a[key]['text']}")
         lines += _per_run_lines(key, a[key])
+        if key == "noise" and a.get("bound"):
+            lines += [f"   {x}" for x in bound_lines(a["bound"])]
     lines += ["", "not concluded:"] + [f"   - {x}" for x in doc["not_concluded"]]
     lines += ["", "-- evidence --", render(doc["score"], top=8)]
     for name, loc in (doc.get("local") or {}).items():
@@ -70,6 +83,14 @@ def render_judge(doc: dict[str, Any]) -> str:
 def render_logs_only(doc: dict[str, Any]) -> str:
     lines = [f"from the logs alone ({doc['names'][0]} vs {doc['names'][1]}, no capture):", "", "what they show:"]
     lines += [f"   {s}" for s in doc["shows"]]
+    b = doc.get("bound")
+    if b:
+        lines += ["", "against honest round-off (no capture needed):"] + [f"   {s}" for s in b["lines"]]
+        lines.append(f"   {'layer':<16} {'n':>3} {'ratio r':>8} {'|r-1|':>7} {'proven':>7} {'bound':>7} {'2b/(1-b)':>8}  verdict")
+        for r in b["rows"]:
+            lines.append(f"   {r['layer']:<16} {r['n']:>3} {r['ratio']:>8.4f} {r['diff']:>7.1%} {r['proven']:>7.1%} {r['bound']:>7.1%} "
+                         f"{r['pair_bound']:>8.1%}  {'BEYOND the bound' if r['beyond'] else 'within'}")  # fmt: skip
+        lines.append("   (proven = |r-1|/(1+r): at least one run is this far from the truth; bound = k C^n u per run)")
     lines += ["", "what cannot be concluded without a capture:"] + [f"   - {s}" for s in doc["cannot_conclude"]]
     lines += ["", "capture the step on both clusters:", doc["capture_commands"], "-- the logs side by side --",
               doc["compare_text"]]  # fmt: skip
@@ -93,6 +114,8 @@ def _html(doc: dict[str, Any], png: str) -> str:
     ]
     for key, q in QUESTIONS:
         sub = "".join(f"<li>{e(x.strip())}</li>" for x in _per_run_lines(key, a[key]))
+        if key == "noise" and a.get("bound"):
+            sub += "".join(f"<li class='bound'>{e(x)}</li>" for x in bound_lines(a["bound"]))
         parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b><br>{e(a[key]['text'])}<ul>{sub}</ul></li>")
     parts.append("</ol><h2>Not concluded</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in doc["not_concluded"]) + "</ul>")
     parts.append(

@@ -50,10 +50,14 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
                 lines.append(f"  padded rows {pr['rows'][0]}..{pr['rows'][1]} of {r['name']}: rel L2 {_f(pr['rel_l2'])}, "
                              f"norm {_f(pr['norm'], '.4g')} (truth {_f(pr['ref_norm'], '.4g')})")  # fmt: skip
         lines.append("  per layer, loss end first")
-        lines.append(f"  {'layer':<34} {metric:>9} {'band':>9} {'excess':>8}  class")
+        has_bound = any("bound" in r for r in c["layers"])  # judge: the analytic bound beside the band (score/bound.py)
+        bh = f" {'bound':>9} {'x bound':>8}" if has_bound else ""
+        lines.append(f"  {'layer':<34} {metric:>9} {'band':>9} {'excess':>8}{bh}  class")
         shown = c["layers"] if len(c["layers"]) <= max_layers else c["layers"][:max_layers]
         for r in shown:
-            lines.append(f"  {r['name']:<34} {_f(r[metric]):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8}  {r['class']}")
+            bc = f" {_f(r.get('bound')):>9} {_f(r.get('bound_excess'), '.2f'):>8}" if has_bound else ""
+            note = f"; {r['disagrees']}" if r.get("disagrees") else ""
+            lines.append(f"  {r['name']:<34} {_f(r[metric]):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8}{bc}  {r['class']}{note}")
         if len(c["layers"]) > max_layers:
             lines.append(f"  ... {len(c['layers']) - max_layers} more layers in --json / --report")
     lines.append("")
