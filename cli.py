@@ -582,6 +582,24 @@ def explain(
             typer.echo(f"report: {write_explain_report(res, report)}")
 
 
+@app.command()
+@user_errors
+def doctor(
+    dir: Annotated[str | None, typer.Argument(help="The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE).")] = None,
+) -> None:
+    """Before spending a training step: will ORACLE_CAPTURE capture in this environment? Exit 0 ready, 12 not.
+
+    Run it in the training environment (there without typer: python -m oracle doctor DIR).
+
+    Example: ORACLE_CAPTURE=/shared/h20-step oracle doctor
+    """
+    from oracle.integrations.megatron.doctor import diagnose
+
+    code, text = diagnose(dir)
+    typer.echo(text)
+    raise typer.Exit(code=code)
+
+
 def main() -> None:  # console script entry point
     from oracle.replay.streaming.pages import ensure
 
