@@ -159,7 +159,7 @@ def test_doctor_names_an_unwritable_folder_and_a_bad_step(tmp_path):
     import os
 
     (tmp_path / "file").write_text("")
-    r = subprocess.run([sys.executable, "-m", "oracle.doctor", str(tmp_path / "file" / "cap")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor", str(tmp_path / "file" / "cap")], capture_output=True, text=True,
                        cwd=ROOT, env={**os.environ, "ORACLE_CAPTURE_STEP": "first"})  # fmt: skip
     assert r.returncode == 12, r.stdout + r.stderr
     assert f"{tmp_path / 'file' / 'cap'}: cannot be written (Not a directory)" in r.stdout

@@ -1,8 +1,7 @@
 """``oracle doctor``: before spending a training step, is ``ORACLE_CAPTURE`` going to capture it here?
 
-Runs in the training environment (torch, no typer: ``python -m oracle doctor`` or ``python -m
-oracle.doctor`` there; ``oracle doctor`` where the CLI is installed) and checks, without importing
-torch or megatron:
+Runs in the training environment (no typer there: ``python -m oracle doctor``; ``oracle doctor``
+where the CLI is installed) and checks, without importing torch or megatron:
 
 - the start-up hook: a fresh interpreter of this environment (``sys.executable``, this process's
   environment, ``ORACLE_CAPTURE`` set) is asked whether ``oracle_capture.pth`` ran, i.e. whether
@@ -188,3 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     code, text = diagnose(argv[0] if argv else None)
     print(text)
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
