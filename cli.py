@@ -646,16 +646,27 @@ def explain(
 @user_errors
 def doctor(
     dir: Annotated[str | None, typer.Argument(help="The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE).")] = None,
-) -> None:
-    """Before spending a training step: will ORACLE_CAPTURE capture in this environment? Exit 0 ready, 12 not.
+    hf_config: Annotated[Path | None, typer.Option(help="The model's Hugging Face config.json: print the capture's size per rank.")] = None,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the run.")] = 1,
+    pp: Annotated[int, typer.Option(min=1, help="Pipeline-parallel size of the run.")] = 1,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens of the captured micro-batch (packed).")] = 4096,
+    no_sp: Annotated[bool, typer.Option("--no-sp", help="The run has no sequence parallel.")] = False,
+    images: Annotated[int, typer.Option(min=0, help="Images in the captured micro-batch.")] = 4,
+    image_side: Annotated[int, typer.Option(min=1, help="Their side in pixels.")] = 448,
+) -> None:  # fmt: skip
+    """Before spending a training step: will ORACLE_CAPTURE capture in this environment, and how much will it write? Exit 0 ready, 12 not.
 
     Run it in the training environment, where it runs without typer as python -m oracle doctor DIR.
 
-    Example: oracle doctor /shared/h20-step
+    Example: oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536
     """
     from oracle.integrations.megatron.doctor import diagnose
 
-    code, text = diagnose(dir)
+    layout = {"tp": tp, "pp": pp, "tokens": tokens, "sequence_parallel": not no_sp, "images": images, "image_side": image_side}
+    try:
+        code, text = diagnose(dir, hf_config=str(hf_config) if hf_config else None, layout=layout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     typer.echo(text)
     raise typer.Exit(code=code)
 

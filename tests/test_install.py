@@ -164,3 +164,38 @@ def test_doctor_names_an_unwritable_folder_and_a_bad_step(tmp_path):
     assert r.returncode == 12, r.stdout + r.stderr
     assert f"{tmp_path / 'file' / 'cap'}: cannot be written (Not a directory)" in r.stdout
     assert "ORACLE_CAPTURE_STEP='first' is not a non-negative integer" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_capture_size_counts_the_models_own_parameters(tmp_path):
+    """capture_size's parameter count is that of transformers' Qwen3-VL built from the config (tiny flavor, and 8B
+    text/vision shapes with 2 layers), and `oracle doctor --hf-config` prints the per-rank size with and without layers."""
+    import json
+
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from typer.testing import CliRunner
+
+    from cli import app
+    from oracle.integrations.megatron.capture_size import per_rank
+    from replays.qwen3_vl.flavors import TINY
+
+    big = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
+           "text_config": {"head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+                           "num_hidden_layers": 2, "num_key_value_heads": 8, "vocab_size": 151936,
+                           "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+           "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152, "in_channels": 3,
+                             "intermediate_size": 4304, "num_heads": 16, "num_position_embeddings": 2304,
+                             "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}}  # fmt: skip
+    for cfg in (dict(TINY), big):
+        with torch.device("meta"):
+            model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**cfg))
+        assert per_rank(cfg, tp=1, tokens=16)["params"] == sum(p.numel() for p in model.parameters())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**big, "text_config": {**big["text_config"], "num_hidden_layers": 36}}))
+    res = CliRunner().invoke(app, ["doctor", "--hf-config", str(path), "--tp", "8", "--tokens", "65536"])
+    assert res.exit_code in (0, 12), res.output
+    assert "capture size per rank (TP 8, PP 1, SP, 65536 tokens packed" in res.stdout
+    assert "= 8.95 GiB per bundle; pre + post: 17.91 GiB" in res.stdout
+    assert "with ORACLE_CAPTURE_MODULES=layers: + 10.12 GiB per bundle (36 decoder layers x 4 x 8192 rows); pre + post: 38.16 GiB" in res.stdout
+    res = CliRunner().invoke(app, ["doctor", "--hf-config", str(tmp_path / "missing.json")])
+    assert res.exit_code == 2 and "cannot size the capture" in res.stderr

@@ -47,3 +47,40 @@ def test_doctor_in_the_training_env_says_ready_and_what_it_sees(tmp_path):
     for seen in ("torch 2.8.0", "megatron-core 0.12.1", "ms-swift 3.12.1", "transformers 4.57.1", "MindSpeed not found"):
         assert seen in r.stdout, r.stdout
     assert f"{tmp_path / 'h20-step'}: writable" in r.stdout
+
+
+def _tensor_bytes(path: str) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    size = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8, "BOOL": 1}
+    with safe_open(path, "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) * size[f.get_slice(k).get_dtype()] for k in f.keys())
+
+
+def test_capture_size_is_what_the_hook_writes(tmp_path):
+    """ms-swift's own tiny Qwen3-VL step at TP 2 + SP (fp32, padded: its [1, 1, T, T] mask recorded) captured with
+    ORACLE_CAPTURE_MODULES=layers: every rank's weights, grads, inputs and layer boundaries hold, byte for byte, what
+    capture_size.per_rank computes from the HF config and the layout."""
+    import json
+
+    import peer
+    import tiny
+
+    from oracle.integrations.megatron.capture_size import per_rank
+
+    out = str(tmp_path / "run")
+    peer.run(out, tp=2, sp=True, dtype="fp32", model_dir=tiny.write_model_dir(str(tmp_path / "hf")),
+             env={"ORACLE_CAPTURE": out + "/capture", "ORACLE_CAPTURE_MODULES": "layers"})  # fmt: skip
+    for r in range(2):
+        d = os.path.join(out, "capture", "pre", f"rank{r:05d}")
+        seq = json.load(open(os.path.join(out, "raw", f"rank{r}", "meta.json")))["seq_len"]
+        inputs = _tensor_bytes(os.path.join(d, "inputs.safetensors"))  # its 16 pixel patches: one 64x64 image
+        want = per_rank(tiny.hf_config().to_dict(), tp=2, tokens=seq, images=1, image_side=64, param_bytes=4, grad_bytes=4,
+                        act_bytes=4, packed=False)  # fmt: skip
+        assert _tensor_bytes(os.path.join(d, "weights.safetensors")) == want["weights"], r
+        assert _tensor_bytes(os.path.join(d, "grads.safetensors")) == want["grads"], r
+        assert inputs == want["inputs"], r
+        mods = sum(_tensor_bytes(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("mod."))
+        assert mods == want["layers_boundaries"], r

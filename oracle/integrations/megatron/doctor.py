@@ -84,6 +84,13 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def _existing(folder: str) -> Path:
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def check_folder(folder: str) -> tuple[bool, str]:
     """Can ``folder`` be created and written? Leaves nothing behind that was not there."""
     p = Path(folder).expanduser().absolute()
@@ -111,8 +118,25 @@ def check_folder(folder: str) -> tuple[bool, str]:
     return True, f"{p}: writable, {free:.1f} GiB free; each rank writes {p}/pre/rankNNNNN and {p}/post/rankNNNNN"
 
 
-def diagnose(folder: str | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """The report's text and its exit code (0 ready, ``NOT_READY`` otherwise)."""
+def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[list[str], int]:
+    """The capture's size per rank (capture_size.py) from a HF config.json and the layout; the bytes
+    one rank writes (pre + post, with the layers' boundaries where ``modules``)."""
+    from . import capture_size
+
+    try:
+        with open(hf_config) as f:
+            config = json.load(f)
+        s = capture_size.per_rank(config, **layout)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--hf-config {hf_config}: cannot size the capture from it ({type(e).__name__}: {e})") from None
+    return [capture_size.render(s, **layout)], s["rank_with_layers" if modules else "rank"]
+
+
+def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf_config: str | None = None,
+             layout: dict[str, Any] | None = None) -> tuple[int, str]:  # fmt: skip
+    """The report's text and its exit code (0 ready, ``NOT_READY`` otherwise). With ``hf_config``
+    (and ``layout``: tp, pp, tokens, sequence_parallel, images, image_side) also the capture's size
+    per rank, and whether the capture folder's disk holds one rank's."""
     env = dict(os.environ if env is None else env)
     folder = folder or env.get("ORACLE_CAPTURE")
     problems: list[str] = []
@@ -144,11 +168,21 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None) -> tu
     if vers["megatron-core"] is None:
         problems.append("megatron-core is not installed here: the hook wraps megatron.core's pipeline schedules; "
                         "run the doctor in the training environment")  # fmt: skip
+    need = None
+    if hf_config:
+        more, need = size_lines(hf_config, {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4,
+                                            "image_side": 448, **(layout or {})}, bool(env.get("ORACLE_CAPTURE_MODULES")))  # fmt: skip
+        lines += more
     if folder:
         ok, text = check_folder(folder)
         lines.append(f"  capture folder: {text}" if ok else "  capture folder: NOT writable")
         if not ok:
             problems.append(text)
+        elif need is not None:
+            free = shutil.disk_usage(_existing(folder)).free
+            if free < need:
+                problems.append(f"{folder}: {free / 2**30:.1f} GiB free, one rank writes {need / 2**30:.2f} GiB (pre + post): "
+                                "give a folder on a disk with room (every rank on this node writes as much)")  # fmt: skip
     else:
         lines.append("  capture folder: ORACLE_CAPTURE is not set here; check the folder with `oracle doctor DIR` "
                      "(or ORACLE_CAPTURE=DIR oracle doctor)")  # fmt: skip
@@ -177,17 +211,34 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None) -> tu
     return 0, "\n".join(lines)
 
 
+def parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m oracle doctor", description=__doc__.split("\n\n")[0],
+                                epilog="example: python -m oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536")  # fmt: skip
+    p.add_argument("dir", nargs="?", help="the folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)")
+    p.add_argument("--hf-config", help="the model's Hugging Face config.json: print the capture's size per rank")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the run")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the run")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of the captured micro-batch (packed)")
+    p.add_argument("--no-sp", action="store_true", help="the run has no sequence parallel (each rank's boundaries hold every row)")
+    p.add_argument("--images", type=int, default=4, help="images in the captured micro-batch")
+    p.add_argument("--image-side", type=int, default=448, help="their side in pixels")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m oracle doctor [DIR]``: the check without the CLI's packages (typer)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv) or len(argv) > 1:
-        print("usage: python -m oracle doctor [DIR]\n\n" + __doc__.strip() +
-              "\n\nexample: ORACLE_CAPTURE=/shared/h20-step python -m oracle doctor", file=sys.stderr)  # fmt: skip
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    code, text = diagnose(argv[0] if argv else None)
+    """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer)."""
+    a = parser().parse_args(sys.argv[1:] if argv is None else argv)  # a usage mistake: argparse's message, exit 2
+    layout = {"tp": a.tp, "pp": a.pp, "tokens": a.tokens, "sequence_parallel": not a.no_sp, "images": a.images,
+              "image_side": a.image_side}  # fmt: skip
+    try:
+        code, text = diagnose(a.dir, hf_config=a.hf_config, layout=layout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(text)
     return code
-
 
 if __name__ == "__main__":
     sys.exit(main())
