@@ -29,6 +29,15 @@ except ImportError:  # the capture-only install (training environment): no CLI t
 from oracle import precision as precisions
 from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error
 
+try:  # typer >= 0.25 labels every flag `<bool>` in --help: a flag takes no value, so it gets no type label
+    from typer.core import TyperOption
+
+    if hasattr(TyperOption, "display_type_rich"):
+        _type_label = TyperOption.display_type_rich
+        TyperOption.display_type_rich = lambda self, ctx: None if getattr(self, "is_flag", False) else _type_label(self, ctx)
+except ImportError:  # pragma: no cover - older typer: no labels to remove
+    pass
+
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 app = typer.Typer(
     help="Float64 ground truth for cross-hardware training precision: capture a step, replay it in "
@@ -75,6 +84,10 @@ LogStep = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<st
 LogRank = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<rank>..) group equals this.")]
 
 
+INTERRUPTED = ("interrupted (Ctrl-C), exit 130: rerun the same command to resume (judge reuses its finished stages, "
+               "a streamed replay resumes from its journal)")
+
+
 def user_errors(fn: Callable) -> Callable:
     """OracleError -> message on stderr and its exit code; anything else -> exit 1, no locals."""
 
@@ -87,6 +100,9 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(code=e.exit_code) from None
         except typer.Exit:
             raise
+        except KeyboardInterrupt:
+            typer.echo(INTERRUPTED, err=True)
+            raise typer.Exit(code=130) from None
         except OSError as e:  # the file system refused (permission, disk full, ...): the user's to fix
             err = from_os_error(e)
             typer.echo(f"error: {err}", err=True)
@@ -116,7 +132,7 @@ def _check_device(device: str) -> None:
 @app.command()
 @user_errors
 def judge(
-    runs: Annotated[list[Path] | None, typer.Argument(help="Run A's and run B's capture folders: Megatron rank folders (capture_rank's output) or capture bundles.")] = None,
+    runs: Annotated[list[Path] | None, typer.Argument(help="Run A's and run B's capture folders: Megatron rank folders (DIR/pre as ORACLE_CAPTURE writes them) or capture bundles. Leave both out for the logs-only answer (--log-a, --log-b).")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Work folder: every stage's output (reused when its inputs are unchanged) and report/.")] = None,
     recipe: Annotated[str | None, typer.Option(help="Recipe whose names rank folders are merged to (qwen3, qwen3-vl).")] = None,
     name: Names = None,
@@ -132,8 +148,13 @@ def judge(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
     num_layers: Annotated[int | None, typer.Option(help="The logs alone: the model's decoder layers for the round-off bound (default: as many as the logs name).")] = None,
 ) -> None:  # fmt: skip
-    """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op."""
-    from oracle.pipeline.judge import Judge, judge_logs
+    """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op. The runs may be left out: with only --log-a and --log-b it answers from the logs alone (what they show, what they cannot, how to capture).
+
+    Example: oracle judge /shared/h20-step/pre /shared/910b-step/pre --recipe qwen3-vl --name H20 --name 910B --max-memory 48G --out judge/
+
+    Example: oracle judge --log-a h20_rank0.log --log-b 910b_rank0.log --name H20 --name 910B
+    """
+    from oracle.pipeline.judge import Judge, judge_logs, resolve_run
     from oracle.report.judge import render_judge, render_logs_only
 
     if not runs:
@@ -141,6 +162,8 @@ def judge(
             raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
         typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out, num_layers=num_layers)))
         return
+    for p, label in zip(runs, "AB"):
+        resolve_run(p, label)  # a log given as a run is named as one, before any other complaint
     if len(runs) != 2:
         raise UsageError(f"judge takes two runs (A and B), got {len(runs)}")
     if (log_a is None) != (log_b is None):
@@ -174,7 +197,10 @@ def capture(
     budget_mb: Annotated[float | None, typer.Option(help="Disk budget for module boundaries, MiB.")] = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Take one training step of one sample and write a capture bundle."""
+    """Take one training step of one sample and write a capture bundle.
+
+    Example: oracle capture --out h20.bundle --model /models/Qwen3-VL-8B-Instruct --sample train.jsonl --index 0 --device cuda --precision bf16
+    """
     from oracle import recipe
     from oracle.capture.samples import read_sample
     from oracle.capture.steps import capture_recipe_step
@@ -231,7 +257,12 @@ def replay(
     split: Annotated[str, typer.Option(help="How several ranks share the fp64 oracle: tensor (heads, MLP, vocabulary) or tokens (the sequence).")] = "tensor",
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision."""
+    """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision.
+
+    Example: oracle replay h20.bundle --out truth.bundle --max-memory 48G
+
+    Example: oracle replay h20.bundle --out band.bundle --dtype bf16 --ensemble 4
+    """
     from oracle.api import ReplayOptions
     from oracle.api import replay as api_replay
 
@@ -261,7 +292,10 @@ def score(
     top: Annotated[int, typer.Option(min=0, help="Worst parameters shown per capture.")] = 8,
     force_band: Annotated[bool, typer.Option("--force-band", help="Use a --band of another precision than the capture's (the verdict then carries a warning).")] = False,
 ) -> None:  # fmt: skip
-    """Score captures against the oracle per parameter and layer with a verdict, or score a local replay."""
+    """Score captures against the oracle per parameter and layer with a verdict, or score a local replay.
+
+    Example: oracle score truth.bundle h20.bundle 910b.bundle --band band.bundle --name H20 --name 910B --report report/
+    """
     from oracle.bundle.jsonio import write_json
     from oracle.bundle.store import Bundle
     from oracle.report.outputs import check_dir, check_file, writing
@@ -314,15 +348,20 @@ def compare_logs(
     step: LogStep = None,
     rank: LogRank = None,
 ) -> None:
-    """Compare two gradient-norm logs side by side, without an oracle (what can and cannot be concluded)."""
+    """Compare two gradient-norm logs side by side, without an oracle (what can and cannot be concluded).
+
+    Example: oracle compare-logs h20_rank0.log 910b_rank0.log --name H20 --name 910B
+    """
     from oracle.bundle.jsonio import write_json
     from oracle.integrations import normlog
 
     if len(logs) != 2:
         raise UsageError(f"compare-logs takes exactly two log files, got {len(logs)}")
-    labels = tuple(name) if name else tuple(p.stem for p in logs)
-    if len(labels) != 2 or labels[0] == labels[1]:
-        raise UsageError("give two distinct --name values for the two logs")
+    from oracle.pipeline.judge import check_log, log_labels
+
+    for p, which in zip(logs, ("first", "second")):
+        check_log(p, f"the {which} log,")
+    labels = log_labels(logs, name, flags=("the first log", "the second log"))
     parsed = [normlog.parse(p, pattern=pattern, occurrence=occurrence, step=step, rank=rank) for p in logs]
     result = normlog.compare(parsed[0], parsed[1], labels)
     typer.echo(normlog.render_compare(result))
@@ -343,7 +382,10 @@ def import_log(
     rank: LogRank = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts."""
+    """Turn a gradient-norm log into a norm-only capture bundle that `oracle score` accepts.
+
+    Example: oracle import-log 910b_rank0.log --out 910b-norms.bundle --precision bf16
+    """
     from oracle.integrations import normlog
 
     parsed = normlog.parse(log, pattern=pattern, occurrence=occurrence, step=step, rank=rank)
@@ -357,12 +399,15 @@ def merge(
     ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.integrations.megatron.hook.capture_rank, or folders of them.")],
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
-    hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (needed for qwen3-vl and msprobe imports).")] = None,
+    hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (ORACLE_CAPTURE records the run's own: needed only where none was recorded, msprobe imports and older hooks).")] = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose micro-batch is the step (default: 0 before finalize, all DP ranks after).")] = None,
     labels_shift: Annotated[str | None, typer.Option(help="pre-rolled (label t is token t+1, Megatron / ms-swift) or unshifted; default: as the hook recorded it.")] = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture."""
+    """Merge per-rank Megatron / MindSpeed captures (TP shards, PP stages, partial sums) into one capture.
+
+    Example: oracle merge /shared/h20-step/pre --recipe qwen3-vl --out h20.cap
+    """
     from oracle.bundle.store import Bundle
     from oracle.integrations.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
@@ -403,7 +448,10 @@ def rank_view_cmd(
     occurrence: Occurrence = None,
     json_out: JsonOut = None,
 ) -> None:  # fmt: skip
-    """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs."""
+    """What one Megatron rank held, from the oracle and its recorded layout; compared with rank captures or norm logs.
+
+    Example: oracle rank-view truth.bundle --rank 0 --log h20_rank0.log --log 910b_rank0.log --name H20 --name 910B
+    """
     from oracle.bundle.store import Bundle
     from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
     from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
@@ -464,7 +512,10 @@ def import_msprobe(
     stage: Annotated[Stage, typer.Option(help="Megatron: when the gradients were dumped.")] = Stage.pre_finalize,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip
-    """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics)."""
+    """Turn an msprobe dump's parameter gradients into a capture (tensors) or norm-only bundle (statistics).
+
+    Example: oracle import-msprobe dump/step0/rank0 --out 910b.bundle --precision bf16
+    """
     from oracle.bundle.store import Bundle
     from oracle.integrations.msprobe import import_dump
 
@@ -484,13 +535,19 @@ def import_msprobe(
 @app.command()
 @user_errors
 def demo(
-    dir: Annotated[Path, typer.Option("--dir", help="Where the demo's bundles and report go.")] = Path("oracle-demo"),
+    dir: Annotated[Path, typer.Option("--dir", help="Where the demo's bundles, judge work folder and report go.")] = Path("oracle-demo"),
     ensemble: Annotated[int, typer.Option(min=1, help="Members of the emulated noise band.")] = 4,
-) -> None:
-    """The main job on the embedded tiny Qwen3-VL: capture amp-bf16 and fp32, replay fp64, score."""
+    bug: Annotated[bool, typer.Option("--bug", help="Plant a bug in the fp32 run (its backward into one decoder layer's MLP scaled by 1.02): the report names it.")] = False,
+) -> None:  # fmt: skip
+    """The main job on the embedded tiny Qwen3-VL: capture amp-bf16 and fp32, then oracle judge on the two (fp64 truth, bands, score, the four answers).
+
+    Example: oracle demo
+
+    Example: oracle demo --bug
+    """
     from oracle.pipeline.demo import run_demo
 
-    typer.echo(run_demo(dir, ensemble=ensemble, echo=typer.echo))
+    typer.echo(run_demo(dir, ensemble=ensemble, bug=bug, echo=lambda s: typer.echo(s, err=True)))
 
 
 @app.command()
@@ -504,7 +561,10 @@ def explain(
     json_out: JsonOut = None,
     report: Annotated[Path | None, typer.Option(help="Write explain.json and an HTML page here.")] = None,
 ) -> None:
-    """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module."""
+    """Which op class (matmul, attention, softmax, normalisation, ...) reproduces the device's error in one module.
+
+    Example: oracle explain 910b.bundle --module model.language_model.layers.2.mlp
+    """
     from oracle.bundle.jsonio import write_json
     from oracle.report.files import write_explain_report
     from oracle.report.outputs import check_dir, check_file, writing
@@ -524,8 +584,41 @@ def explain(
             typer.echo(f"report: {write_explain_report(res, report)}")
 
 
+@app.command()
+@user_errors
+def doctor(
+    dir: Annotated[str | None, typer.Argument(help="The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE).")] = None,
+    hf_config: Annotated[Path | None, typer.Option(help="The model's Hugging Face config.json: print the capture's size per rank.")] = None,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the run.")] = 1,
+    pp: Annotated[int, typer.Option(min=1, help="Pipeline-parallel size of the run.")] = 1,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens of the captured micro-batch (packed).")] = 4096,
+    no_sp: Annotated[bool, typer.Option("--no-sp", help="The run has no sequence parallel.")] = False,
+    images: Annotated[int, typer.Option(min=0, help="Images in the captured micro-batch.")] = 4,
+    image_side: Annotated[int, typer.Option(min=1, help="Their side in pixels.")] = 448,
+) -> None:  # fmt: skip
+    """Before spending a training step: will ORACLE_CAPTURE capture in this environment, and how much will it write? Exit 0 ready, 12 not.
+
+    Run it in the training environment, where it runs without typer as python -m oracle doctor DIR.
+
+    Example: oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536
+    """
+    from oracle.integrations.megatron.doctor import diagnose
+
+    layout = {"tp": tp, "pp": pp, "tokens": tokens, "sequence_parallel": not no_sp, "images": images, "image_side": image_side}
+    try:
+        code, text = diagnose(dir, hf_config=str(hf_config) if hf_config else None, layout=layout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    typer.echo(text)
+    raise typer.Exit(code=code)
+
+
 def main() -> None:  # console script entry point
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # outside a command (start-up, argument parsing)
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

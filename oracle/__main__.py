@@ -1,9 +1,14 @@
 """``python -m oracle ...`` runs the command line: what torchrun launches
-(``torchrun --nproc-per-node N -m oracle replay ...``) and what ``--nproc`` spawns."""
+(``torchrun --nproc-per-node N -m oracle replay ...``) (``--nproc`` ranks run ``python -m oracle.api.worker``).
+``python -m oracle doctor`` runs without the CLI's packages (the training environment has no typer)."""
 
 import sys
 
-from cli import main
-
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["doctor"]:
+        from oracle.integrations.megatron.doctor import main as doctor
+
+        sys.exit(doctor(sys.argv[2:]))
+    from cli import main
+
     sys.exit(main())

@@ -1,7 +1,13 @@
 """The main job on the embedded default: one step of the tiny Qwen3-VL captured twice on this
-CPU (autocast bf16, and fp32 -- the same weights and inputs), replayed once in float64, an
-emulated noise band for each precision, then scored. Both captures are CPU runs standing in for
-two devices; on real hardware run ``oracle capture --device cuda|npu`` on each machine instead.
+CPU (autocast bf16, and fp32 -- the same weights and inputs), then ``oracle judge`` on the two:
+replayed once in float64, an emulated noise band for each precision, scored, and answered in the
+judge report's four questions. Both captures are CPU runs standing in for two devices; on real
+hardware run ``oracle capture --device cuda|npu`` on each machine instead.
+
+``bug=True`` plants a bug in the fp32 run: the gradient entering decoder layer ``BUG_LAYER``'s MLP
+is scaled by ``BUG_SCALE`` in the backward (the forward, and so the loss, untouched) -- what a
+wrong backward kernel does. The same report then names that run, that layer's MLP, the backward
+and the op class (a scale: ``scaling``).
 """
 
 from __future__ import annotations
@@ -11,34 +17,41 @@ from pathlib import Path
 
 from .. import recipe as recipes
 from ..capture.steps import capture_recipe_step
-from ..replay.run import replay
-from ..report.files import write_report
+from ..report.judge import render_answers
 from ..report.text import render
-from ..score.scorer import score
+from .judge import Judge
 
 MODEL = "tiny-qwen3-vl"
+BUG_LAYER, BUG_SCALE = 1, 1.02
+BUG_MODULE = f"model.language_model.layers.{BUG_LAYER}.mlp"
+RUNS = (("cpu-amp-bf16", "amp-bf16"), ("cpu-fp32", "fp32"))
 
 
-def run_demo(out: str | Path, *, ensemble: int = 4, echo: Callable[[str], None] = print) -> str:
+def plant_bug(model) -> None:
+    """Scale the gradient arriving at ``BUG_MODULE``'s output (its grad_output) by ``BUG_SCALE``."""
+    model.get_submodule(BUG_MODULE).register_full_backward_pre_hook(
+        lambda m, go: tuple(g * BUG_SCALE if g is not None else g for g in go)
+    )
+
+
+def run_demo(out: str | Path, *, ensemble: int = 4, bug: bool = False, echo: Callable[[str], None] = print) -> str:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     r = recipes.for_model(MODEL)
     src = r.load(MODEL)
     sample = r.default_sample()
     caps = []
-    for prec in ("amp-bf16", "fp32"):
+    for _name, prec in RUNS:
         path = out / f"capture-{prec}"
-        capture_recipe_step(src, sample, str(path), precision=prec, overwrite=True)
+        planted = bug and prec == "fp32"
+        capture_recipe_step(src, sample, str(path), precision=prec, overwrite=True, instrument=plant_bug if planted else None)
         caps.append(path)
-        echo(f"captured {MODEL} on cpu in {prec} -> {path}")
-    oracle = replay(caps[0], out / "oracle", dtype="fp64", overwrite=True)
-    echo(f"replayed in float64 -> {oracle}")
-    bands = []
-    for prec in ("amp-bf16", "fp32"):
-        bands.append(replay(caps[0], out / f"band-{prec}", dtype=prec, ensemble=ensemble, overwrite=True))
-        echo(f"emulated {ensemble} honest {prec} runs (noise band) -> {bands[-1]}")
-    result = score(oracle, caps, band_paths=bands, names=["cpu-amp-bf16", "cpu-fp32"])
-    page = write_report(result, out / "report")
-    return (
-        render(result, top=5, max_layers=12) + f"\n\nreport: {page}\n(both captures are CPU runs of the embedded tiny Qwen3-VL)"
-    )
+        echo(f"captured {MODEL} on cpu in {prec} -> {path}" + (
+            f" (bug planted: the gradient into {BUG_MODULE} x{BUG_SCALE} in the backward)" if planted else ""))
+    doc = Judge(caps[0], caps[1], out=out / "judge", names=[n for n, _ in RUNS], ensemble=ensemble, echo=echo).run()
+    return "\n".join([
+        render(doc["score"], top=5, max_layers=12), "",
+        f"report: {doc['report_files']['html']} (text {doc['report_files']['text']})",
+        "(both captures are CPU runs of the embedded tiny Qwen3-VL" + (", the fp32 one with a planted bug)" if bug else ")"), "",
+        render_answers(doc),
+    ])  # fmt: skip

@@ -33,6 +33,12 @@ from . import answers as answers_mod
 from .stages import Progress, Stages, duration, fingerprint
 
 ENSEMBLE = 4
+# The fixed cost of one replay pass beyond its FLOPs (seconds): building the recipe's model, the
+# autograd and emulation bookkeeping per op, reading and writing the bundles. Measured on the tiny
+# Qwen3-VL here (2 shared cores): the float64 truth with its certificate 18.9 s, an emulated member
+# 8.4-16 s, where the GEMM probe's FLOP estimate says < 1 s. Negligible at 8B (hours of FLOPs);
+# the progress line rescales the stages left by the finished stages' real/estimated ratio.
+TRUTH_OVERHEAD_S, MEMBER_OVERHEAD_S = 12.0, 8.0
 
 
 class StageFailed(OracleError):
@@ -41,6 +47,9 @@ class StageFailed(OracleError):
     def __init__(self, msg: str, code: int):
         super().__init__(msg)
         self.exit_code = code
+
+
+LOG_SUFFIXES = (".log", ".txt", ".out", ".err")
 
 
 def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
@@ -54,15 +63,72 @@ def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
             return "ranks", p
         return "capture", p
     if not p.is_dir():
-        raise UsageError(f"run {label}: {p} is neither a capture bundle nor a folder of rank bundles")
+        hint = (" It looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log (with no runs, the "
+                "logs-only answer)" if p.suffix.lower() in LOG_SUFFIXES or _looks_like_text(p) else "")  # fmt: skip
+        raise UsageError(f"run {label}: {p} is a file, neither a capture bundle nor a folder of rank bundles.{hint}")
     subs = sorted(d for d in p.iterdir() if d.is_dir())
     if any((d / "manifest.json").is_file() for d in subs):
         return "ranks", p
     nested = [d.name for d in subs if any((e / "manifest.json").is_file() for e in d.iterdir() if e.is_dir())]
     if nested:
+        pick = "pre" if "pre" in nested else nested[0]
+        why = (" (pre: the gradients before finalize_model_grads, as the norms are printed; post: after it)"
+               if {"pre", "post"} <= set(nested) else "")  # fmt: skip
         raise UsageError(f"run {label}: {p} holds several capture folders ({', '.join(nested)}); give one of them, "
-                         f"e.g. {p / nested[0]}")  # fmt: skip
+                         f"e.g. {p / pick}{why}")  # fmt: skip
     raise UsageError(f"run {label}: {p} holds no capture bundle (manifest.json) and no rank bundles")
+
+
+def _looks_like_text(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def check_log(path: str | Path, flag: str) -> Path:
+    """A grad-norm log given as ``flag``: an existing file (a folder is named as one, with its logs)."""
+    p = Path(path)
+    if p.is_dir():
+        logs = sorted(q.name for q in p.iterdir() if q.is_file() and q.suffix.lower() in LOG_SUFFIXES)[:4]
+        inside = f" (it holds {', '.join(logs)})" if logs else ""
+        raise UsageError(f"{flag} {p} is a folder: give the grad-norm log file itself{inside}")
+    if not p.is_file():
+        raise InputNotFound(f"{flag} {p} does not exist")
+    return p
+
+
+def log_labels(paths: list[Path], names: list[str] | None, flags: tuple[str, str] = ("--log-a", "--log-b")) -> tuple[str, str]:
+    """Display names of two logs: ``--name`` twice, else the files' names, else their folders' (two
+    ``rank0.log`` of two runs), else A and B. The same file twice is refused."""
+    if Path(paths[0]).resolve() == Path(paths[1]).resolve():
+        raise UsageError(f"{flags[0]} and {flags[1]} are the same file ({paths[0]}): give each run's own log")
+    if names:
+        if len(names) != 2 or names[0] == names[1]:
+            raise UsageError(f"give two distinct --name values, one per log (got {', '.join(names)})")
+        return names[0], names[1]
+    for level in (lambda q: q.stem, lambda q: q.resolve().parent.name):
+        got = (level(Path(paths[0])), level(Path(paths[1])))
+        if got[0] != got[1] and all(got):
+            return got
+    return "A", "B"
+
+
+def check_recipe(recipe: str | None, inputs: list[tuple[str, Path]]) -> None:
+    """``--recipe`` names a known recipe (a typo is an error, also where bundles carry their own),
+    and the recipe of any capture bundle given."""
+    if recipe is None:
+        return
+    from .. import recipe as recipes
+
+    recipes.get(recipe)  # RecipeError (exit 7): no recipe named ...; known recipes: ...
+    for (kind, p), label in zip(inputs, "AB"):
+        own = ((Bundle(p).get("recipe") or {}).get("name")) if kind == "capture" else None
+        if own and own != recipe:
+            raise UsageError(f"--recipe {recipe}, but run {label} ({p}) is a {own} capture: drop --recipe (a capture "
+                             "bundle carries its recipe; --recipe names rank folders' merge)")  # fmt: skip
 
 
 def run_names(paths: list[Path], names: list[str] | None) -> list[str]:
@@ -105,9 +171,11 @@ class Judge:
         self.names = run_names([p for _, p in self.inputs], names)
         if logs and len(logs) != 2:
             raise UsageError(f"give two --log files, one per run (got {len(logs)})")
-        for lg in logs:
-            if not Path(lg).is_file():
-                raise InputNotFound(f"log {lg} does not exist")
+        for lg, flag in zip(logs, ("--log-a", "--log-b")):
+            check_log(lg, flag)
+        if logs:
+            log_labels([Path(lg) for lg in logs], None)  # the same file twice is refused
+        check_recipe(recipe, self.inputs)
         if any(k == "ranks" for k, _ in self.inputs) and not recipe:
             raise UsageError("rank folders are merged through a recipe's names: give --recipe (qwen3 or qwen3-vl)")
         self.out, self.recipe, self.logs = Path(out), recipe, [Path(lg) for lg in logs]
@@ -149,6 +217,10 @@ class Judge:
         from ..replay.local import replay_local
 
         replay_local(cap, out, members=self.members, overwrite=overwrite, progress=True)
+
+    def _spread(self) -> int:
+        """How many processes share a band's members (``--nproc``)."""
+        return max(1, min(self.nproc, self.ensemble))
 
     # -- the plan ----------------------------------------------------------------------------
     def has_modules(self) -> list[bool]:
@@ -193,15 +265,15 @@ class Judge:
                 est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
         base = plan(caps[replayable(caps)], "fp64", streamed=self.budget is not None, budget=self.budget)
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
-        est["truth"] = {"seconds": base["estimated_seconds"], "flops": base["total_flops"],
+        est["truth"] = {"seconds": base["estimated_seconds"] + TRUTH_OVERHEAD_S, "flops": base["total_flops"],
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base)}  # fmt: skip
         for prec in self.precisions(caps):
             q = plan(caps[replayable(caps)], prec, streamed=self.budget is not None, budget=self.budget)
-            est[f"band-{prec}"] = {"seconds": q["estimated_seconds"] * self.ensemble, "flops": q["total_flops"] * self.ensemble,
+            est[f"band-{prec}"] = {"seconds": (q["estimated_seconds"] + MEMBER_OVERHEAD_S) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
-            "seconds": 3 * grads / 500e6,
+            "seconds": 3 * grads / 500e6 + 2.0,  # reading the truth, the captures and the bands; 1.2-3.0 s on the tiny model
             "flops": 0,
             "memory": base["memory"].get("fixed", base["memory"].get("fixed_without_process", 0)),
             "disk": 0,
@@ -420,12 +492,9 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     from ..integrations import normlog
     from ..score import bound as bound_mod
 
-    for lg in (log_a, log_b):
-        if not Path(lg).is_file():
-            raise InputNotFound(f"log {lg} does not exist")
-    labels = tuple(names) if names else (Path(log_a).stem, Path(log_b).stem)
-    if len(labels) != 2 or labels[0] == labels[1]:
-        raise UsageError("give two distinct --name values, one per log")
+    for lg, flag in ((log_a, "--log-a"), (log_b, "--log-b")):
+        check_log(lg, flag)
+    labels = log_labels([Path(log_a), Path(log_b)], names)
     if num_layers is not None and num_layers < 1:
         raise UsageError(f"--num-layers {num_layers}: the model's decoder layers, at least 1")
     cmp = normlog.compare(normlog.parse(log_a), normlog.parse(log_b), labels)

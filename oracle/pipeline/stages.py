@@ -75,23 +75,34 @@ def duration(s: float) -> str:
 
 
 class Progress:
-    """One line per stage start and end: ``[judge 3/8] truth: ... done in 4.1 s (1.2 GFLOP/s); ETA 30 s``.
+    """One line per stage start and end: ``[judge 3/8] truth: ... (this stage ~20 s, ETA 1.5 min)``,
+    ``... done in 18.9 s (estimated 20 s), 0.01 GFLOP/s; ETA 1.2 min``.
 
-    ETA is the dry run's estimate of the stages not done yet; GFLOP/s is the stage's planned FLOPs
-    over its wall time (a reused stage has none)."""
+    A stage's estimate is the dry run's, times the real/estimated ratio of the stages finished so
+    far (``ratio``); ETA is the same for the stages not done yet; GFLOP/s is the stage's planned
+    FLOPs over its wall time (a reused stage has none)."""
 
     def __init__(self, total: int, estimates: dict[str, dict[str, float]] | None = None,
                  echo: Callable[[str], None] | None = None):  # fmt: skip
         self.total, self.done, self.estimates = total, 0, estimates or {}
         self.echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
         self.left = {k: v.get("seconds", 0.0) for k, v in self.estimates.items()}
+        self.timed: list[tuple[float, float]] = []  # (real, estimated) seconds of the stages run
 
     def _eta(self) -> str:
-        s = sum(self.left.values())
+        s = sum(self.left.values()) * self.ratio()
         return f"ETA {duration(s)}"
 
+    def ratio(self) -> float:
+        """Real over estimated time of the stages finished so far (1 before any): this machine's
+        speed today, applied to the estimates of the stages left (clipped to 0.25-4)."""
+        real, est = sum(r for r, _ in self.timed), sum(e for _, e in self.timed)
+        return min(4.0, max(0.25, real / est)) if real > 0 and est > 0 else 1.0
+
     def start(self, name: str, what: str) -> float:
-        self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({self._eta()})")
+        own = self.left.get(name)
+        this = f"this stage ~{duration(own * self.ratio())}, " if own else ""
+        self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({this}{self._eta()})")
         return time.perf_counter()
 
     def skip(self, name: str, why: str) -> None:
@@ -106,9 +117,14 @@ class Progress:
             self.echo(f"[judge {self.done}/{self.total}] {name}: reused (inputs unchanged)")
             return
         dt = time.perf_counter() - (t0 or time.perf_counter())
+        planned = self.estimates.get(name, {}).get("seconds")
+        ratio = self.ratio()  # as it was when the stage started
+        if planned and dt > 0:
+            self.timed.append((dt, planned))
         flops = self.estimates.get(name, {}).get("flops")
         rate = f", {flops / dt / 1e9:.2f} GFLOP/s" if flops and dt > 0 else ""
-        self.echo(f"[judge {self.done}/{self.total}] {name}: done in {dt:.1f} s{rate}; {self._eta()}")
+        said = f" (estimated {duration(planned * ratio)})" if planned else ""
+        self.echo(f"[judge {self.done}/{self.total}] {name}: done in {dt:.1f} s{said}{rate}; {self._eta()}")
 
 
 class Stages:

@@ -53,7 +53,8 @@ def bound_lines(b: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_judge(doc: dict[str, Any]) -> str:
+def render_answers(doc: dict[str, Any]) -> str:
+    """The headline, the four answers and what was not concluded: the report's first part."""
     a = doc["answers"]
     lines = [doc["headline"], ""]
     for key, q in QUESTIONS:
@@ -63,6 +64,11 @@ def render_judge(doc: dict[str, Any]) -> str:
         if key == "noise" and a.get("bound"):
             lines += [f"   {x}" for x in bound_lines(a["bound"])]
     lines += ["", "not concluded:"] + [f"   - {x}" for x in doc["not_concluded"]]
+    return "\n".join(lines)
+
+
+def render_judge(doc: dict[str, Any]) -> str:
+    lines = [render_answers(doc)]
     lines += ["", "-- evidence --", render(doc["score"], top=8)]
     for name, loc in (doc.get("local") or {}).items():
         lines += ["", f"-- {name}: local replay --", render_local(loc)]

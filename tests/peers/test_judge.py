@@ -165,7 +165,7 @@ def test_the_logs_alone_say_what_they_show_what_they_cannot_and_how_to_capture(t
     assert "what cannot be concluded without a capture" in out and "which run is right" in out
     assert "ORACLE_CAPTURE=/shared/h20-step swift megatron sft" in out and "ORACLE_CAPTURE=/shared/910b-step swift megatron sft" in out
     assert "oracle judge /shared/h20-step/pre /shared/910b-step/pre --recipe qwen3-vl --name H20 --name 910B" in out
-    assert "BEYOND honest round-off" in out  # the analytic bound's verdict (tests/test_bound.py)
+    assert "BEYOND honest round-off" in out  # the analytic bound's verdict (tests/integration/test_bound.py)
     doc = json.loads((tmp_path / "logs" / "judge.json").read_text())
     assert doc["kind"] == "oracle-judge-logs" and doc["schema_version"] == 1 and doc["compare"]["layers"]
 

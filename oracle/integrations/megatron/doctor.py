@@ -1,0 +1,244 @@
+"""``oracle doctor``: before spending a training step, is ``ORACLE_CAPTURE`` going to capture it here?
+
+Runs in the training environment (no typer there: ``python -m oracle doctor``; ``oracle doctor``
+where the CLI is installed) and checks, without importing torch or megatron:
+
+- the start-up hook: a fresh interpreter of this environment (``sys.executable``, this process's
+  environment, ``ORACLE_CAPTURE`` set) is asked whether ``oracle_capture.pth`` ran, i.e. whether
+  ``oracle.integrations.megatron.autocapture.install`` was called at start-up. That is exactly what
+  ``torchrun`` / ``swift megatron sft`` start; an editable install of an old checkout, a wheel
+  installed into another environment, or ``python -S`` all answer "no";
+- which torch, torch_npu, megatron-core, MindSpeed, ms-swift and transformers it sees (package
+  metadata; megatron-core is needed: the hook wraps its pipeline schedules);
+- where the capture goes (``DIR/pre/rankNNNNN``, ``DIR/post/rankNNNNN``) and whether DIR can be
+  created and written (a probe file, removed again; a DIR the check created is removed), with its
+  free space;
+- ``ORACLE_CAPTURE_STEP`` is an integer, ``ORACLE_CAPTURE_MODULES`` a preset or a valid regex.
+
+Exit code 0 when ready; ``NOT_READY`` (12, ``oracle.errors.EXIT_CODES``) when anything above would
+stop the capture, each problem said with its fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .autocapture import PTH_LINE, PTH_NAME
+
+NOT_READY = 12
+PACKAGES = [("torch", "torch"), ("torch_npu", "torch_npu"), ("megatron-core", "megatron.core"),
+            ("MindSpeed", "mindspeed"), ("ms-swift", "swift"), ("transformers", "transformers")]  # fmt: skip
+PRESETS = ("layers",)  # hook.py MODULE_PRESETS (not imported: hook.py imports torch)
+
+_PROBE = (
+    "import json, sys; m = sys.modules.get('oracle.integrations.megatron.autocapture'); "
+    "print(json.dumps({'fired': bool(m is not None and m._state['installed']), 'module': getattr(m, '__file__', None)}))"
+)
+
+
+def hook_fires(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Start this interpreter afresh with ``ORACLE_CAPTURE`` set and ask it whether the hook ran."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("ORACLE_CAPTURE", os.path.join(os.getcwd(), "oracle-doctor-probe"))
+    env.pop("RANK", None)  # not a training rank: the hook's at-exit note stays silent
+    r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        out = {"fired": False, "module": None}
+    out["stderr"] = r.stderr.strip()
+    return out
+
+
+def pth_files() -> list[str]:
+    """Every ``oracle_capture.pth`` in this interpreter's site directories (the ones start-up reads)."""
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", lambda: [])())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [os.path.join(d, PTH_NAME) for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, PTH_NAME))]
+
+
+def package_versions() -> dict[str, str | None]:
+    out = {}
+    for dist, module in PACKAGES:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            out[dist] = "present (no package metadata)" if found else None
+    return out
+
+
+def _existing(folder: str) -> Path:
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_folder(folder: str) -> tuple[bool, str]:
+    """Can ``folder`` be created and written? Leaves nothing behind that was not there."""
+    p = Path(folder).expanduser().absolute()
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    created = []
+    try:
+        for d in reversed([p, *p.parents]):
+            if not d.exists():
+                d.mkdir()
+                created.append(d)
+        probe = p / f".oracle-doctor-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return False, f"{p}: cannot be written ({e.strerror or e}); give a folder every rank can write, on a disk with room"
+    finally:
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    free = shutil.disk_usage(existing).free / 2**30
+    return True, f"{p}: writable, {free:.1f} GiB free; each rank writes {p}/pre/rankNNNNN and {p}/post/rankNNNNN"
+
+
+def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[list[str], int]:
+    """The capture's size per rank (capture_size.py) from a HF config.json and the layout; the bytes
+    one rank writes (pre + post, with the layers' boundaries where ``modules``)."""
+    from . import capture_size
+
+    try:
+        with open(hf_config) as f:
+            config = json.load(f)
+        s = capture_size.per_rank(config, **layout)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--hf-config {hf_config}: cannot size the capture from it ({type(e).__name__}: {e})") from None
+    return [capture_size.render(s, **layout)], s["rank_with_layers" if modules else "rank"]
+
+
+def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf_config: str | None = None,
+             layout: dict[str, Any] | None = None) -> tuple[int, str]:  # fmt: skip
+    """The report's text and its exit code (0 ready, ``NOT_READY`` otherwise). With ``hf_config``
+    (and ``layout``: tp, pp, tokens, sequence_parallel, images, image_side) also the capture's size
+    per rank, and whether the capture folder's disk holds one rank's."""
+    env = dict(os.environ if env is None else env)
+    folder = folder or env.get("ORACLE_CAPTURE")
+    problems: list[str] = []
+    lines = [f"oracle doctor: {sys.executable} (Python {sys.version.split()[0]})"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    pths = pth_files()
+    fired = hook_fires(env)
+    if fired["fired"]:
+        lines.append(f"  start-up hook: fires ({', '.join(pths) or PTH_NAME})")
+        loaded = os.path.dirname(os.path.abspath(fired["module"] or ""))
+        if fired["module"] and loaded != here:
+            lines.append(f"    note: the hook loads {fired['module']}, this check runs {here}: two copies of oracle; "
+                         "the hook's is the one that captures")  # fmt: skip
+    else:
+        why = (f"{', '.join(pths)} is there but did not run at start-up (not a site directory of this interpreter, or "
+               "python -S)" if pths else f"no {PTH_NAME} in this interpreter's site-packages (an editable install "
+               "of an older checkout, or oracle installed into another environment)")  # fmt: skip
+        bad = [p for p in pths if open(p).read().strip() != PTH_LINE]
+        if bad:
+            why += f"; {', '.join(bad)} does not hold the hook's line"
+        lines.append("  start-up hook: will NOT fire")
+        problems.append(f"start-up hook will NOT fire: {why}; ORACLE_CAPTURE would capture nothing. Fix: install the "
+                        "wheel (pip install --no-index --no-deps oracle_fp64-*.whl) or run "
+                        "`python -m oracle.integrations.megatron.autocapture install-pth` once")  # fmt: skip
+        if fired["stderr"]:
+            lines.append(f"    the probe said: {fired['stderr'].splitlines()[-1]}")
+    vers = package_versions()
+    lines.append("  sees: " + ", ".join(f"{k} {v or 'not found'}" for k, v in vers.items()))
+    if vers["megatron-core"] is None:
+        problems.append("megatron-core is not installed here: the hook wraps megatron.core's pipeline schedules; "
+                        "run the doctor in the training environment")  # fmt: skip
+    need = None
+    if hf_config:
+        more, need = size_lines(hf_config, {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4,
+                                            "image_side": 448, **(layout or {})}, bool(env.get("ORACLE_CAPTURE_MODULES")))  # fmt: skip
+        lines += more
+    if folder:
+        ok, text = check_folder(folder)
+        lines.append(f"  capture folder: {text}" if ok else "  capture folder: NOT writable")
+        if not ok:
+            problems.append(text)
+        elif need is not None:
+            free = shutil.disk_usage(_existing(folder)).free
+            if free < need:
+                problems.append(f"{folder}: {free / 2**30:.1f} GiB free, one rank writes {need / 2**30:.2f} GiB (pre + post): "
+                                "give a folder on a disk with room (every rank on this node writes as much)")  # fmt: skip
+    else:
+        lines.append("  capture folder: ORACLE_CAPTURE is not set here; check the folder with `oracle doctor DIR` "
+                     "(or ORACLE_CAPTURE=DIR oracle doctor)")  # fmt: skip
+    step = env.get("ORACLE_CAPTURE_STEP", "0")
+    if re.fullmatch(r"\s*\d+\s*", step):
+        lines.append(f"  step: training call {int(step)} (ORACLE_CAPTURE_STEP; 0 = the first with forward_only=False)")
+    else:
+        problems.append(f"ORACLE_CAPTURE_STEP={step!r} is not a non-negative integer: nothing would be captured")
+    mods = env.get("ORACLE_CAPTURE_MODULES")
+    if mods:
+        parts = [x.strip() for x in mods.split(",") if x.strip()]
+        near = [p for x in parts for p in difflib.get_close_matches(x, PRESETS, n=1, cutoff=0.75) if p != x]
+        try:
+            if not all(x in PRESETS for x in parts):
+                re.compile(mods)
+            if near and all(re.fullmatch(r"[A-Za-z_]+", x) for x in parts):
+                raise re.error(f"did you mean {', '.join(near)!r}?")
+            lines.append(f"  module boundaries: ORACLE_CAPTURE_MODULES={mods!r}")
+        except re.error as e:
+            problems.append(f"ORACLE_CAPTURE_MODULES={mods!r} is neither a preset ({', '.join(PRESETS)}) nor a regex "
+                            f"({e}): the step would be captured without module boundaries")  # fmt: skip
+    if problems:
+        lines += ["NOT READY:"] + [f"  - {p}" for p in problems]
+        return NOT_READY, "\n".join(lines)
+    lines.append("ready: ORACLE_CAPTURE will capture in this environment")
+    return 0, "\n".join(lines)
+
+
+def parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m oracle doctor", description=__doc__.split("\n\n")[0],
+                                epilog="example: python -m oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536")  # fmt: skip
+    p.add_argument("dir", nargs="?", help="the folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)")
+    p.add_argument("--hf-config", help="the model's Hugging Face config.json: print the capture's size per rank")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the run")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the run")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of the captured micro-batch (packed)")
+    p.add_argument("--no-sp", action="store_true", help="the run has no sequence parallel (each rank's boundaries hold every row)")
+    p.add_argument("--images", type=int, default=4, help="images in the captured micro-batch")
+    p.add_argument("--image-side", type=int, default=448, help="their side in pixels")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer)."""
+    a = parser().parse_args(sys.argv[1:] if argv is None else argv)  # a usage mistake: argparse's message, exit 2
+    layout = {"tp": a.tp, "pp": a.pp, "tokens": a.tokens, "sequence_parallel": not a.no_sp, "images": a.images,
+              "image_side": a.image_side}  # fmt: skip
+    try:
+        code, text = diagnose(a.dir, hf_config=a.hf_config, layout=layout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return code
+
+if __name__ == "__main__":
+    sys.exit(main())

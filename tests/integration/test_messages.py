@@ -1,0 +1,153 @@
+"""The messages a new user meets first, each pointing at the fix (issue: the user's recipe, followable
+as written): logs given as runs, a folder given as a log, the same log twice, a --recipe typo with
+bundles, the capture root instead of its pre/ folder, Ctrl-C, merge's and every command's --help."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
+H20, NPU = DATA / "h20_rank0_grad_norms.log", DATA / "910b_rank0_grad_norms.log"
+
+
+def _err(args: list[str]):
+    res = CliRunner().invoke(app, args)
+    assert "Traceback" not in res.output
+    return res
+
+
+def test_logs_given_as_runs_point_to_log_a_and_log_b(tmp_path):
+    """Two logs as positional runs, with or without --out: exit 2 naming --log-a/--log-b, not "give --out"."""
+    for extra in ([], ["--out", str(tmp_path / "w")]):
+        res = _err(["judge", str(H20), str(NPU), *extra])
+        assert res.exit_code == 2, res.output
+        assert "looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log" in res.stderr
+        assert "--out" not in res.stderr
+    res = _err(["judge", str(H20)])  # one log alone: the same hint
+    assert res.exit_code == 2 and "--log-a A.log" in res.stderr
+
+
+def test_a_folder_given_as_a_log_is_named_as_a_folder(tmp_path):
+    """--log-b DIR: exit 2, "is a folder", the logs inside listed; not "does not exist"."""
+    d = tmp_path / "910b-logs"
+    d.mkdir()
+    (d / "rank0.log").write_text(NPU.read_text())
+    res = _err(["judge", "--log-a", str(H20), "--log-b", str(d)])
+    assert res.exit_code == 2, res.output
+    assert f"--log-b {d} is a folder: give the grad-norm log file itself (it holds rank0.log)" in res.stderr
+    res = _err(["judge", "--log-a", str(H20), "--log-b", str(tmp_path / "missing.log")])
+    assert res.exit_code == 3 and "--log-b" in res.stderr and "does not exist" in res.stderr
+
+
+def test_the_same_log_twice_is_named_and_two_rank0_logs_get_their_folders_names(tmp_path):
+    """The same file twice: "are the same file", exit 2. Two runs' rank0.log: named by their folders, the answer given."""
+    res = _err(["judge", "--log-a", str(H20), "--log-b", str(H20)])
+    assert res.exit_code == 2 and "--log-a and --log-b are the same file" in res.stderr, res.output
+    res = _err(["compare-logs", str(H20), str(H20)])
+    assert res.exit_code == 2 and "the first log and the second log are the same file" in res.stderr, res.output
+    for run, src in (("h20", H20), ("910b", NPU)):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "rank0.log").write_text(src.read_text())
+    res = _err(["judge", "--log-a", str(tmp_path / "h20" / "rank0.log"), "--log-b", str(tmp_path / "910b" / "rank0.log")])
+    assert res.exit_code == 0, res.output
+    assert "from the logs alone (h20 vs 910b, no capture)" in res.stdout
+    res = _err(["compare-logs", str(tmp_path / "h20" / "rank0.log"), str(tmp_path / "910b" / "rank0.log")])
+    assert res.exit_code == 0 and "910b/h20" in res.stdout, res.output
+
+
+def test_a_recipe_typo_with_bundles_is_an_error(fp32_capture, amp_capture, tmp_path):
+    """--recipe qwen3vl with two capture bundles: exit 7 with the known recipes; another recipe than the bundles': exit 2."""
+    res = _err(["judge", fp32_capture, amp_capture, "--recipe", "qwen3vl", "--out", str(tmp_path / "w")])
+    assert res.exit_code == 7, res.output
+    assert "no recipe named 'qwen3vl'; known recipes: qwen3, qwen3-vl" in res.stderr
+    res = _err(["judge", fp32_capture, amp_capture, "--recipe", "qwen3", "--dry-run"])
+    assert res.exit_code == 2 and "is a qwen3-vl capture: drop --recipe" in res.stderr, res.output
+    assert not (tmp_path / "w").exists()
+
+
+def test_the_capture_root_suggests_its_pre_folder(tmp_path):
+    """A folder holding pre/ and post/ (what ORACLE_CAPTURE writes): the suggestion is DIR/pre, as the README's recipe."""
+    root = tmp_path / "h20-step"
+    for stage in ("post", "pre"):
+        (root / stage / "rank00000").mkdir(parents=True)
+        (root / stage / "rank00000" / "manifest.json").write_text("{}")
+    res = _err(["judge", str(root), str(root), "--recipe", "qwen3-vl", "--out", str(tmp_path / "w")])
+    assert res.exit_code == 2, res.output
+    assert f"holds several capture folders (post, pre); give one of them, e.g. {root / 'pre'} (pre: the gradients before" in res.stderr
+    readme = (REPO / "README.md").read_text()
+    assert "/shared/h20-step/pre /shared/910b-step/pre" in readme
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    """SIGINT inside a command (the demo, after its first capture): exit 130, one line on stderr, no traceback."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "oracle", "demo", "--dir", str(tmp_path / "demo")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)  # fmt: skip
+    for line in p.stderr:
+        if line.startswith("captured"):
+            break
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1].startswith("interrupted (Ctrl-C), exit 130: rerun the same command to resume"), err
+
+
+def _commands() -> list[str]:
+    res = CliRunner().invoke(app, ["--help"])
+    return re.findall(r"^│ (\w[\w-]+)\s", res.stdout, re.M)
+
+
+def test_every_command_help_has_an_example_and_no_type_label_on_flags():
+    """`oracle CMD --help`: an "Example: oracle CMD" line for every command; flags carry no <bool> label."""
+    cmds = _commands()
+    assert {"judge", "capture", "replay", "score", "merge", "demo", "doctor", "explain"} <= set(cmds), cmds
+    for cmd in cmds:
+        out = CliRunner().invoke(app, [cmd, "--help"], terminal_width=200).stdout
+        assert f"Example: oracle {cmd}" in out, (cmd, out)
+        assert "<bool>" not in out, (cmd, out)
+
+
+def test_judge_help_says_the_runs_may_be_left_out_and_merge_help_needs_no_hf_config_for_qwen3_vl():
+    judge = " ".join(CliRunner().invoke(app, ["judge", "--help"], terminal_width=200).stdout.split())
+    assert "Leave both out for the logs-only answer" in judge.replace("│", "").replace("  ", " ") or "may be left out" in judge
+    merge = " ".join(CliRunner().invoke(app, ["merge", "--help"], terminal_width=200).stdout.replace("│", " ").split())
+    assert "needed for qwen3-vl" not in merge
+    assert "ORACLE_CAPTURE records the run's own" in merge
+
+
+def test_stage_estimates_follow_the_machine_speed_seen_so_far(monkeypatch):
+    """A stage that took 2x its estimate: the next stage's estimate and the ETA are doubled (within 2x of real)."""
+    from oracle.pipeline import stages
+
+    clock = iter([100.0, 120.0, 120.0, 140.0])
+    monkeypatch.setattr(stages.time, "perf_counter", lambda: next(clock))
+    said: list[str] = []
+    p = stages.Progress(2, {"truth": {"seconds": 10.0}, "band-fp32": {"seconds": 10.0}}, echo=said.append)
+    p.end("truth", p.start("truth", "replay"), reused=False)
+    p.start("band-fp32", "emulate")
+    assert said[0].endswith("(this stage ~10 s, ETA 20 s)"), said
+    assert said[1].endswith("done in 20.0 s (estimated 10 s); ETA 20 s"), said
+    assert said[2].endswith("(this stage ~20 s, ETA 20 s)"), said
+
+
+def test_judge_estimates_hold_a_replays_fixed_cost(fp32_capture, amp_capture):
+    """A tiny model's replay stages are estimated at seconds (its fixed cost), not the < 1 s of its FLOPs."""
+    from oracle.bundle.store import Bundle
+    from oracle.pipeline.judge import MEMBER_OVERHEAD_S, TRUTH_OVERHEAD_S, Judge
+
+    j = Judge(fp32_capture, amp_capture, out=".", ensemble=2)
+    est = j.estimates([Bundle(fp32_capture), Bundle(amp_capture)])
+    assert est["truth"]["seconds"] >= TRUTH_OVERHEAD_S and est["band-fp32"]["seconds"] >= 2 * MEMBER_OVERHEAD_S
+    assert est["score"]["seconds"] >= 2.0

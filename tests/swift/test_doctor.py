@@ -1,0 +1,86 @@
+"""The cluster install in the pinned training environment: the wheel built from this checkout
+installs offline changing nothing else, and `python -m oracle doctor` (no typer here) says ready,
+with the megatron-core, ms-swift and transformers it sees. Runs in that environment only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import needs_swift  # noqa: E402, F401  (skips this module outside .venv-swift)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SOURCES = ("pyproject.toml", "setup.py", "oracle_capture.pth", "README.md", "cli.py", "oracle", "replays")
+
+
+def test_the_wheel_installs_offline_adding_only_itself(tmp_path):
+    """`pip wheel --no-deps .`, then an offline dry run of installing it WITH its dependencies: it resolves
+    from what the env holds and would install oracle-fp64 alone (torch 2.8, transformers 4.57.1 untouched)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        p = os.path.join(REPO, name)
+        (shutil.copytree(p, src / name, ignore=shutil.ignore_patterns("__pycache__")) if os.path.isdir(p)
+         else shutil.copy2(p, src / name))  # fmt: skip
+    # another version than the one installed, so that pip plans it instead of answering "already installed"
+    toml = src / "pyproject.toml"
+    toml.write_text(toml.read_text().replace('version = "0.1.0"', 'version = "0.1.0+wheeltest"', 1))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                        str(tmp_path / "w"), str(src)], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (wheel,) = (tmp_path / "w").glob("oracle_fp64-*.whl")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", str(wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    plan = [ln for ln in r.stdout.splitlines() if ln.startswith("Would install")]
+    assert plan == ["Would install oracle-fp64-0.1.0+wheeltest"], r.stdout
+
+
+def test_doctor_in_the_training_env_says_ready_and_what_it_sees(tmp_path):
+    """python -m oracle doctor: the hook fires, torch 2.8.0 / megatron-core 0.12.1 / ms-swift 3.12.1 seen, exit 0."""
+    env = {**os.environ, "ORACLE_CAPTURE": str(tmp_path / "h20-step"), "PYTHONPATH": REPO}
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "start-up hook: fires" in r.stdout
+    for seen in ("torch 2.8.0", "megatron-core 0.12.1", "ms-swift 3.12.1", "transformers 4.57.1", "MindSpeed not found"):
+        assert seen in r.stdout, r.stdout
+    assert f"{tmp_path / 'h20-step'}: writable" in r.stdout
+
+
+def _tensor_bytes(path: str) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    size = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8, "BOOL": 1}
+    with safe_open(path, "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) * size[f.get_slice(k).get_dtype()] for k in f.keys())
+
+
+def test_capture_size_is_what_the_hook_writes(tmp_path):
+    """ms-swift's own tiny Qwen3-VL step at TP 2 + SP (fp32, padded: its [1, 1, T, T] mask recorded) captured with
+    ORACLE_CAPTURE_MODULES=layers: every rank's weights, grads, inputs and layer boundaries hold, byte for byte, what
+    capture_size.per_rank computes from the HF config and the layout."""
+    import json
+
+    import peer
+    import tiny
+
+    from oracle.integrations.megatron.capture_size import per_rank
+
+    out = str(tmp_path / "run")
+    peer.run(out, tp=2, sp=True, dtype="fp32", model_dir=tiny.write_model_dir(str(tmp_path / "hf")),
+             env={"ORACLE_CAPTURE": out + "/capture", "ORACLE_CAPTURE_MODULES": "layers"})  # fmt: skip
+    for r in range(2):
+        d = os.path.join(out, "capture", "pre", f"rank{r:05d}")
+        seq = json.load(open(os.path.join(out, "raw", f"rank{r}", "meta.json")))["seq_len"]
+        inputs = _tensor_bytes(os.path.join(d, "inputs.safetensors"))  # its 16 pixel patches: one 64x64 image
+        want = per_rank(tiny.hf_config().to_dict(), tp=2, tokens=seq, images=1, image_side=64, param_bytes=4, grad_bytes=4,
+                        act_bytes=4, packed=False)  # fmt: skip
+        assert _tensor_bytes(os.path.join(d, "weights.safetensors")) == want["weights"], r
+        assert _tensor_bytes(os.path.join(d, "grads.safetensors")) == want["grads"], r
+        assert inputs == want["inputs"], r
+        mods = sum(_tensor_bytes(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("mod."))
+        assert mods == want["layers_boundaries"], r
