@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import traceback
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -27,7 +26,8 @@ except ImportError:  # the capture-only install (training environment): no CLI t
     sys.exit(2)
 
 from oracle import precision as precisions
-from oracle.errors import EXIT_CODES, OracleError, UsageError, from_os_error
+from oracle.api.guard import INTERRUPTED, guarded
+from oracle.errors import EXIT_CODES, UsageError
 
 try:  # typer >= 0.25 labels every flag `<bool>` in --help: a flag takes no value, so it gets no type label
     from typer.core import TyperOption
@@ -84,49 +84,26 @@ LogStep = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<st
 LogRank = Annotated[str | None, typer.Option(help="Logs: keep lines whose (?P<rank>..) group equals this.")]
 
 
-INTERRUPTED = ("interrupted (Ctrl-C), exit 130: rerun the same command to resume (judge reuses its finished stages, "
-               "a streamed replay resumes from its journal)")
-
-
 def user_errors(fn: Callable) -> Callable:
-    """OracleError -> message on stderr and its exit code; anything else -> exit 1, no locals."""
+    """What went wrong -> one message on stderr and its exit code (oracle/api/guard.py, the one mapping)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except OracleError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(code=e.exit_code) from None
-        except typer.Exit:
-            raise
-        except KeyboardInterrupt:
-            typer.echo(INTERRUPTED, err=True)
-            raise typer.Exit(code=130) from None
-        except OSError as e:  # the file system refused (permission, disk full, ...): the user's to fix
-            err = from_os_error(e)
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(code=err.exit_code) from None
-        except Exception as e:  # a bug: say so, show where, never dump tensors
-            typer.echo(f"internal error: {type(e).__name__}: {e}", err=True)
-            typer.echo("".join(traceback.format_exception(e, limit=-3)), err=True)
-            raise typer.Exit(code=1) from None
+        exits: list[typer.Exit] = []
+
+        def call() -> None:
+            try:
+                fn(*args, **kwargs)
+            except typer.Exit as e:  # a command's own exit code, not an error
+                exits.append(e)
+
+        rc = guarded(call, lambda s: typer.echo(s, err=True))
+        if exits:
+            raise exits[0]
+        if rc:
+            raise typer.Exit(code=rc)
 
     return wrapper
-
-
-def _check_device(device: str) -> None:
-    import torch
-
-    from oracle.errors import RecipeError
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RecipeError("--device cuda: no CUDA device is visible to torch")
-    if device == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise RecipeError("--device npu: torch_npu is not installed") from None
 
 
 @app.command()
@@ -154,31 +131,13 @@ def judge(
 
     Example: oracle judge --log-a h20_rank0.log --log-b 910b_rank0.log --name H20 --name 910B
     """
-    from oracle.pipeline.judge import Judge, judge_logs, resolve_run
-    from oracle.report.judge import render_judge, render_logs_only
+    from oracle.api.judge import JudgeOptions
+    from oracle.api.judge import judge as api_judge
 
-    if not runs:
-        if not (log_a and log_b):
-            raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
-        typer.echo(render_logs_only(judge_logs(log_a, log_b, name, out, num_layers=num_layers)))
-        return
-    for p, label in zip(runs, "AB"):
-        resolve_run(p, label)  # a log given as a run is named as one, before any other complaint
-    if len(runs) != 2:
-        raise UsageError(f"judge takes two runs (A and B), got {len(runs)}")
-    if (log_a is None) != (log_b is None):
-        raise UsageError("give both --log-a and --log-b, or neither")
-    if out is None and not dry_run:
-        raise UsageError("give --out DIR: the work folder for the stages and the report")
-    j = Judge(runs[0], runs[1], out=out or Path("."), recipe=recipe, names=name, logs=[log_a, log_b] if log_a else [],
-              max_memory=max_memory, ensemble=ensemble, members=members, margin=margin, nproc=nproc, threads=threads,
-              dp_rank=dp_rank, echo=lambda s: typer.echo(s, err=True))  # fmt: skip
-    if dry_run:
-        typer.echo(j.dry_run())
-        return
-    doc = j.run()
-    typer.echo(render_judge(doc))
-    typer.echo(f"\nreport: {doc['report_files']['html']} (text {doc['report_files']['text']}, json {doc['report_files']['json']})")
+    opts = JudgeOptions(runs=tuple(runs or ()), out=out, recipe=recipe, names=name, log_a=log_a, log_b=log_b,
+                        max_memory=max_memory, ensemble=ensemble, members=members, margin=margin, dp_rank=dp_rank,
+                        nproc=nproc, threads=threads, dry_run=dry_run, num_layers=num_layers)  # fmt: skip
+    api_judge(opts, echo=typer.echo, progress=lambda s: typer.echo(s, err=True))
 
 
 @app.command()
@@ -201,40 +160,13 @@ def capture(
 
     Example: oracle capture --out h20.bundle --model /models/Qwen3-VL-8B-Instruct --sample train.jsonl --index 0 --device cuda --precision bf16
     """
-    from oracle import recipe
-    from oracle.capture.samples import read_sample
-    from oracle.capture.steps import capture_recipe_step
+    from oracle.api.capture import CaptureOptions
+    from oracle.api.capture import capture as api_capture
 
-    _check_device(device.value)
-    r = recipe.for_model(model)
-    src = r.load(model)
-    try:
-        indices = [int(i) for i in index.split(",")]
-    except ValueError:
-        raise UsageError(f"--index {index!r}: expected a line number or a comma-separated list (0,3,7)") from None
-    if pack is not None:
-        if len(indices) > 1:
-            raise UsageError("give either --index 0,3,7 or --index N --pack K, not both lists")
-        indices = list(range(indices[0], indices[0] + pack))
-    if any(i < 0 for i in indices):
-        raise UsageError(f"--index {index!r}: line numbers start at 0")
-    if sample:
-        smp = [read_sample(str(sample), i) for i in indices]
-    else:
-        default = r.default_sample()
-        if len(indices) > 1:
-            raise UsageError("packing needs --sample (a .jsonl with several samples)")
-        smp = [default]
-    smp = smp[0] if len(smp) == 1 else smp
-    capture_recipe_step(src, smp, str(out), precision=precision.value, device=device.value,
-                        reduction=loss_reduction.value, seed=seed, overwrite=overwrite, modules=modules,
-                        module_budget_mb=budget_mb, echo=typer.echo)  # fmt: skip
-    from oracle.bundle.store import Bundle
-
-    b = Bundle(out)
-    typer.echo(f"captured {r.name} ({src.origin}) on {device.value} in {precision.value}: loss "
-               f"{b.get('loss')['value']:.8g} over {b.get('loss')['num_tokens']} tokens, "
-               f"{len(b.names('grads'))} gradients -> {out}")  # fmt: skip
+    opts = CaptureOptions(out=out, model=model, sample=sample, index=index, pack=pack, device=device.value,
+                          precision=precision.value, loss_reduction=loss_reduction.value, seed=seed, modules=modules,
+                          budget_mb=budget_mb, overwrite=overwrite)  # fmt: skip
+    api_capture(opts, echo=typer.echo)
 
 
 @app.command()
