@@ -2,11 +2,15 @@
 start-up hook, one line that does nothing unless the variable is set) at the root of the wheel,
 so that it lands in site-packages (oracle/integrations/megatron/autocapture.py) -- from a wheel
 (``pip wheel .``, ``pip install .``) and from an editable install (``pip install -e .``) alike.
-``oracle doctor`` says whether it fires in an environment."""
+``oracle doctor`` says whether it fires in an environment.
+
+It also names what is installed: the engine as ``oracle`` (``oracle.cli.app`` is the console
+script) and the repository's ``replays/`` as ``oracle_replays``, so nothing top-level called
+``cli`` or ``replays`` lands in site-packages (pyproject.toml cannot rename a found package)."""
 
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH = "oracle_capture.pth"
@@ -58,4 +62,8 @@ if editable_wheel is not None and hasattr(editable_wheel, "_select_strategy"):
 
     cmdclass["editable_wheel"] = EditableWheelWithPth
 
-setup(cmdclass=cmdclass)
+RECIPES = "replays"  # the folder in the repository; installed as oracle_replays
+packages = find_packages(include=["oracle", "oracle.*"])
+packages += ["oracle_replays"] + [f"oracle_replays.{p}" for p in find_packages(where=RECIPES)]
+
+setup(cmdclass=cmdclass, packages=packages, package_dir={"oracle_replays": RECIPES})

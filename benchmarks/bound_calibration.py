@@ -29,7 +29,7 @@ from oracle.score.scorer import score
 
 
 def source(layers: int) -> ModelSource:
-    from replays.tiny import tiny_weights
+    from oracle_replays.tiny import tiny_weights
 
     r = recipes.for_model("tiny-qwen3")
     src = r.load("tiny-qwen3")

@@ -9,6 +9,6 @@ if __name__ == "__main__":
         from oracle.integrations.megatron.doctor import main as doctor
 
         sys.exit(doctor(sys.argv[2:]))
-    from cli import main
+    from oracle.cli.app import main
 
     sys.exit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replays.tiny import VOCAB
+from ..tiny import VOCAB
 
 TINY: dict[str, Any] = {
     "model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,

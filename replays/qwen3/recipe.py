@@ -73,7 +73,7 @@ class Qwen3Recipe(Recipe):
         return Qwen3ForCausalLM(cfg)
 
     def load(self, spec: str) -> ModelSource:
-        from replays import tiny
+        from .. import tiny
 
         if spec in flavors.FLAVORS:
             config = json.loads(json.dumps(flavors.FLAVORS[spec]))
@@ -99,7 +99,7 @@ class Qwen3Recipe(Recipe):
     def prepare_inputs(self, source: ModelSource, model: nn.Module, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Qwen's chat format, labels on the assistant turns (the same tokenisation as Qwen3-VL's, with
         no image): input_ids (1, T), labels (1, T), position_ids (1, T)."""
-        from replays.qwen3_vl.inputs import build_inputs
+        from ..qwen3_vl.inputs import build_inputs
 
         if "tokenizer" not in source.extra:
             raise RecipeError(f"{source.origin} has no tokenizer files; a sample cannot be tokenised for it")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replays.tiny import SPECIAL_IDS, SPECIALS, VOCAB, tiny_tokenizer, tiny_weights  # noqa: F401  (shared by the flavors)
+from ..tiny import SPECIAL_IDS, SPECIALS, VOCAB, tiny_tokenizer, tiny_weights  # noqa: F401  (shared by the flavors)
 
 TINY: dict[str, Any] = {
     "model_type": "qwen3_vl",

@@ -16,8 +16,8 @@ from oracle.capture.samples import read_sample
 from oracle.errors import RecipeError
 from oracle.recipe import ModelSource, Recipe
 from oracle.replay.loss import causal_lm_loss, lm_head_loss, masked_token_loss
-from replays.qwen3.recipe import MEGATRON_NAMES, text_layer_key
 
+from ..qwen3.recipe import MEGATRON_NAMES, text_layer_key
 from . import flavors
 from .inputs import build_inputs
 

@@ -11,7 +11,7 @@ from oracle.bundle.store import Bundle
 from oracle.capture.steps import capture_recipe_step
 from oracle.errors import RecipeError
 from oracle.score.scorer import score
-from replays.qwen3_vl import flavors
+from oracle_replays.qwen3_vl import flavors
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,10 @@ def test_wheel_installed_offline_activates_the_hook_and_doctor_says_ready(tmp_pa
                         str(tmp_path / "wheels"), str(src)], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
     (wheel,) = (tmp_path / "wheels").glob("oracle_fp64-*.whl")
+    import zipfile
+
+    top = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}  # namespaced: no top-level cli or replays
+    assert top == {"oracle", "oracle_replays", "oracle_capture.pth", "oracle_fp64-0.1.0.dist-info"}, top
     py = _venv(tmp_path / "venv")
     before = set(Path(tmp_path / "venv").rglob("*.dist-info"))
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-deps", str(wheel)], capture_output=True,
@@ -177,7 +181,7 @@ def test_capture_size_counts_the_models_own_parameters(tmp_path):
 
     from cli import app
     from oracle.integrations.megatron.capture_size import per_rank
-    from replays.qwen3_vl.flavors import TINY
+    from oracle_replays.qwen3_vl.flavors import TINY
 
     big = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
            "text_config": {"head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,

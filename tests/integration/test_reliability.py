@@ -272,7 +272,7 @@ def test_a_config_describing_a_huge_model_is_refused_before_building_it(tmp_path
     from oracle import recipe as recipes
     from oracle.bundle.shapes import expected_shapes
     from oracle.replay.run import run_step
-    from replays.qwen3_vl.flavors import TINY
+    from oracle_replays.qwen3_vl.flavors import TINY
 
     r = recipes.get("qwen3-vl")
     b = tmp_path / "big"
@@ -310,7 +310,7 @@ def test_damaged_or_mismatched_model_files_exit_7(tmp_path):
     from oracle.capture.steps import capture_recipe_step
     from oracle.errors import RecipeError
     from oracle.recipe import ModelSource
-    from replays.qwen3_vl.recipe import Qwen3VLRecipe
+    from oracle_replays.qwen3_vl.recipe import Qwen3VLRecipe
 
     (tmp_path / "model.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(RecipeError, match="not a readable safetensors file"):

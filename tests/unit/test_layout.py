@@ -24,6 +24,7 @@ TIERS = {
     "oracle.integrations": 6,
     "oracle.pipeline": 7,
     "oracle.api": 8,
+    "oracle.cli": 9,
 }  # fmt: skip
 FACE = {"oracle", "oracle.__main__"}
 MAX_ROOT_MODULES = 6  # __init__, __main__, errors, recipe, version, metrics
