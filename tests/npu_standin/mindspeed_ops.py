@@ -17,7 +17,14 @@ OPS = {"npu_matmul_add_fp32": npu_ops.npu_matmul_add_fp32,
 
 def install() -> list[str]:
     """Register the ops; returns their names. Needs mindspeed importable (after torch_npu)."""
+    import os
+
     from mindspeed.op_builder.builder import MindSpeedOpBuilder
+
+    # the ATB builders (npu_matmul_add_fp32's) look for the Ascend ops' paths before their cache:
+    # a marker, never read since the cache answers
+    for var in ("ASDOPS_HOME_PATH", "ASDOPS_OPS_PATH"):
+        os.environ.setdefault(var, "<torch_npu stand-in: no Ascend ops>")
 
     for name, fn in OPS.items():
         MindSpeedOpBuilder._loaded_ops[name] = types.SimpleNamespace(**{name: fn}, __standin__=True)

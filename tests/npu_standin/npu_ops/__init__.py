@@ -12,14 +12,18 @@ written out (a ``torch.autograd.Function``), not taken from autograd, so a fault
 it alone (``npu_ops.faults``); tests check it against autograd of the plain formula.
 """
 
-from .attention import npu_fusion_attention
-from .faults import FAULTS, planted
-from .matmul_add import npu_matmul_add_fp32
-from .norm import npu_rms_norm
-from .rotary import npu_rotary_mul, npu_rotary_position_embedding
-from .swiglu import npu_swiglu
+from collections import Counter
 
-__all__ = ["FAULTS", "planted", "npu_fusion_attention", "npu_matmul_add_fp32", "npu_rms_norm", "npu_rotary_mul",
+CALLS: Counter = Counter()  # forward calls per op in this process (which ops a step reached)
+
+from .attention import npu_fusion_attention  # noqa: E402
+from .faults import FAULTS, planted  # noqa: E402
+from .matmul_add import npu_matmul_add_fp32  # noqa: E402
+from .norm import npu_rms_norm  # noqa: E402
+from .rotary import npu_rotary_mul, npu_rotary_position_embedding  # noqa: E402
+from .swiglu import npu_swiglu  # noqa: E402
+
+__all__ = ["CALLS", "FAULTS", "planted", "npu_fusion_attention", "npu_matmul_add_fp32", "npu_rms_norm", "npu_rotary_mul",
            "npu_rotary_position_embedding", "npu_swiglu"]  # fmt: skip
 
 

@@ -176,6 +176,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          scale=1.0, keep_prob=1.0, pre_tockens=_BIG, next_tockens=_BIG, inner_precise=0, prefix=None,
                          actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                          sync=False):  # fmt: skip
+    from . import CALLS
+
     for name, val in (("pse", pse), ("padding_mask", padding_mask), ("prefix", prefix)):
         if val is not None:
             raise NotImplementedError(f"npu_fusion_attention stand-in: {name} is not implemented (unused on the user's step)")
@@ -192,6 +194,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                                    next_tockens=next_tockens, sparse_mode=sparse_mode)  # fmt: skip
         o = out[0].transpose(0, 1) if layout == "SBH" else out[0]
         return (o.reshape(*o.shape[:-2], n * d), *out[1:])
+    CALLS["npu_fusion_attention"] += 1  # once per call: BSH/SBH came through BSND above
     if layout not in ("BSND", "BNSD", "TND"):
         raise ValueError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
     if query.shape[-2 if layout != "BNSD" else 1] != n:

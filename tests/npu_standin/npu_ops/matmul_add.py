@@ -14,6 +14,9 @@ from . import faults
 
 
 def npu_matmul_add_fp32(grad_output, total_input, grad):
+    from . import CALLS
+
+    CALLS["npu_matmul_add_fp32"] += 1
     if grad.dtype != torch.float32:
         raise TypeError(f"npu_matmul_add_fp32: grad (main_grad) is {grad.dtype}; the op accumulates into fp32")
     dy = grad_output.reshape(-1, grad_output.shape[-1]).float()  # (tokens, out)

@@ -58,12 +58,18 @@ class _Rotary(torch.autograd.Function):
 
 
 def npu_rotary_position_embedding(x, cos, sin, mode=0):
+    from . import CALLS
+
+    CALLS["npu_rotary_position_embedding"] += 1
     if mode not in (0, 1):
         raise ValueError(f"npu_rotary_position_embedding: mode {mode!r} is not 0 (rotate-half) or 1 (interleaved)")
     return _Rotary.apply(x, cos, sin, mode == 1)
 
 
 def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002  (torch_npu's argument name)
+    from . import CALLS
+
+    CALLS["npu_rotary_mul"] += 1
     if rotary_mode not in ("half", "interleave"):
         raise ValueError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not 'half' or 'interleave'")
     return _Rotary.apply(input, r1, r2, rotary_mode == "interleave")

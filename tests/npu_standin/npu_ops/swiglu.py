@@ -30,6 +30,9 @@ class _Swiglu(torch.autograd.Function):
 
 
 def npu_swiglu(x, dim=-1):
+    from . import CALLS
+
+    CALLS["npu_swiglu"] += 1
     if x.shape[dim] % 2:
         raise ValueError(f"npu_swiglu: x's dim {dim} has odd size {x.shape[dim]}; it must split into two halves")
     return _Swiglu.apply(x, dim)

@@ -37,6 +37,10 @@ class _HcclOptions:
 _C = types.ModuleType("torch_npu._C")
 _C._distributed_c10d = types.SimpleNamespace(ProcessGroupHCCL=types.SimpleNamespace(Options=_HcclOptions))
 
+# The quantized dtypes torch_npu lists as unsupported; MindSpeed's dist-train tensor-sync tool reads
+# it at import (its validate_args imports that package whatever the arguments).
+unsupported_dtype = [torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8]
+
 npu_fusion_attention = _ops.npu_fusion_attention
 npu_rms_norm = _ops.npu_rms_norm
 npu_swiglu = _ops.npu_swiglu

@@ -11,7 +11,7 @@ from .. import npu
 for _name in ("current_device", "device_count", "set_device", "synchronize", "empty_cache", "is_available",
               "get_device_name", "get_device_properties", "memory_allocated", "max_memory_allocated",
               "memory_reserved", "reset_max_memory_allocated", "current_stream", "default_stream", "Stream", "Event",
-              "stream", "manual_seed", "manual_seed_all", "mem_get_info"):  # fmt: skip
+              "stream", "manual_seed", "manual_seed_all", "mem_get_info", "get_rng_state", "set_rng_state"):  # fmt: skip
     setattr(torch.cuda, _name, vars(npu)[_name])  # vars(): not recorded as MindSpeed touching it
 
 MODE = vars(npu)["PlaceOnCpu"]()

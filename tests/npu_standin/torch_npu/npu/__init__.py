@@ -88,7 +88,7 @@ def mem_get_info(device=None):
 
 
 def manual_seed(seed):
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: it calls torch.cuda's, i.e. this
 
 
 manual_seed_all = manual_seed
