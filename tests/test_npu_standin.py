@@ -4,15 +4,20 @@ planted fault changes the backward only. Pure torch: runs in every environment."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_standin"))
-import npu_ops  # noqa: E402
-from npu_ops import faults  # noqa: E402
+_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_standin")
+sys.path.insert(0, _STANDIN)
+try:
+    import npu_ops
+    from npu_ops import faults
+finally:  # never leave the stand-in findable: transformers' is_torch_npu_available() would import torch_npu
+    sys.path.remove(_STANDIN)
 
 F64 = torch.float64
 
@@ -33,6 +38,12 @@ def _grads(fn, *xs, seed=0):
 
 def _rand(*shape, seed=1, dtype=F64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
+
+
+def test_importing_the_ops_leaves_torch_npu_unfindable():
+    """The suite imports the ops without putting a ``torch_npu`` on sys.path (transformers'
+    is_torch_npu_available() would import it and rename torch's PrivateUse1 device to npu)."""
+    assert importlib.util.find_spec("torch_npu") is None
 
 
 # --------------------------------------------------------------------------- rms norm, swiglu, rotary
