@@ -1,0 +1,71 @@
+"""ms-swift 3.12.1's own Megatron Qwen3-VL step through its NPU branch (transformers sees the
+torch_npu stand-in, so ms-swift imports MindSpeed 0016137's adaptor, applies its TE patches over
+MindSpeed's dummy TE, builds the TE spec as MindSpeed's classes, and repatches with
+use_flash_attn), one rank, fp32, one unpacked sample with an image, on CPU; and ORACLE_CAPTURE on it
+with no edit. Runs in .venv-mindspeed only."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import needs_mindspeed  # noqa: E402, F401  (skips this module outside .venv-mindspeed)
+import pytest  # noqa: E402
+import run  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from oracle.bundle.store import Bundle  # noqa: E402
+
+LAYER0 = "module.module.language_model.decoder.layers.0."
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    sys.path.insert(0, os.path.join(os.path.dirname(run.HERE), "swift"))
+    import tiny
+
+    hf = tiny.write_model_dir(str(tmp_path_factory.mktemp("tiny-qwen3-vl")))
+    cap, plain = str(tmp_path_factory.mktemp("captured")), str(tmp_path_factory.mktemp("plain"))
+    env = {"ORACLE_CAPTURE": os.path.join(cap, "capture"), "ORACLE_CAPTURE_MODULES": "layers"}
+    got, stderr = run.script("swift_npu_step.py", cap, hf, env=env, tag="SWIFT")
+    want, _ = run.script("swift_npu_step.py", plain, hf, tag="SWIFT")
+    return cap, got, want, stderr
+
+
+def test_the_npu_branch_runs_mindspeed_and_transformers_npu_kernels(steps):
+    """The step reaches MindSpeed's attention (4 text layers) and transformers' NPU flash attention
+    (3 ViT blocks), MindSpeed's RMSNorm (inside the fused norm-linears too), SwiGLU and the wgrad
+    accumulation; the rotary embedding is mRoPE, ms-swift's own, so no NPU rotary op runs with
+    ms-swift's default flags; every gradient is nonzero and the loss is finite."""
+    _, got, _, _ = steps
+    assert got["ops_called"] == {"npu_fusion_attention": 7, "npu_rms_norm": 17, "npu_swiglu": 4,
+                                 "npu_matmul_add_fp32": 17}  # fmt: skip
+    assert sorted(got["torch_npu_touched"]["npu_fusion_attention"]) == [
+        "mindspeed.core.transformer.flash_attention.flash_attention.adaptor", "transformers.integrations.npu_flash_attention"]
+    assert got["zero_grads"] == [] and torch.isfinite(torch.tensor(got["reported"]["lm loss"])).all()
+
+
+def test_mindspeed_orders_the_qkv_weight_before_its_norm_weight_as_the_910b_log(steps):
+    """MindSpeed's fused norm-linear registers ``linear_qkv.weight`` before
+    ``linear_qkv.layer_norm_weight`` (the 910B log's order; TE's is the reverse)."""
+    _, got, _, _ = steps
+    names = [n[len(LAYER0):] for n in got["names"] if n.startswith(LAYER0)]
+    assert names.index("self_attention.linear_qkv.weight") < names.index("self_attention.linear_qkv.layer_norm_weight")
+    assert names.index("mlp.linear_fc1.weight") < names.index("mlp.linear_fc1.layer_norm_weight")
+
+
+def test_oracle_capture_records_the_npu_branch_step_and_changes_nothing(steps):
+    """ORACLE_CAPTURE with ORACLE_CAPTURE_MODULES=layers: pre and post written, post's gradients
+    bitwise the step's, the 4 decoder layers' boundaries held; every main_grad bitwise that of the
+    run without the variables."""
+    cap, got, want, stderr = steps
+    assert got["grads_sha256"] == want["grads_sha256"]
+    assert "oracle: captured training call 0 into" in stderr and "with 4 module boundaries" in stderr
+    raw = load_file(os.path.join(cap, "raw", "grads_post.safetensors"))
+    post = Bundle(os.path.join(cap, "capture", "post", "rank00000"))
+    g = post.load_group("grads")
+    assert set(g) == set(raw) and all(torch.equal(g[n], raw[n]) for n in raw)
+    assert sorted(post.get("modules")) == [f"module.module.language_model.decoder.layers.{i}" for i in range(4)]
+    assert Bundle(os.path.join(cap, "capture", "pre", "rank00000")).get("megatron")["stage"] == "pre-finalize"
