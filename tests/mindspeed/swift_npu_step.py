@@ -8,7 +8,7 @@ over MindSpeed's dummy TE), builds the model on the TE spec (MindSpeed's classes
 stand-in ops that ran, the loss, the parameter names in MindSpeed's order, the main_grads' sha256
 (also saved to OUT/raw/grads_post.safetensors).
 
-``python swift_npu_step.py OUT MODEL_DIR``."""
+``python swift_npu_step.py OUT MODEL_DIR`` (the tiny model is written there if it is not yet)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,10 @@ def main(out, model_dir):
     for name in ("_patch_transformer_engine", "_patch_TELinear", "_patch_TEGroupedLinear"):  # the NPU branch runs these too
         getattr(init, name)()
     import peer
+    import tiny
 
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        tiny.write_model_dir(model_dir)
     args = peer.make_args(model_dir, 1, False, "fp32")
     from megatron.core.transformer.enums import AttnBackend
 
@@ -80,7 +83,7 @@ def main(out, model_dir):
     trainer = MegatronTrainer.__new__(MegatronTrainer)
     trainer.args, trainer.stimer, trainer.mcore_013 = args, StragglerDetector(), False
     trainer.unwrapped_models, trainer.wrapped_models, trainer.custom_metrics = [model], [ddp], {}
-    sample = __import__("tiny").sample(seq_multiple=1)
+    sample = tiny.sample(seq_multiple=1)
     seq = sample["input_ids"].shape[1]
     ddp.zero_grad_buffer()
     npu_ops.CALLS.clear()
