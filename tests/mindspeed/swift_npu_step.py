@@ -6,9 +6,10 @@ over MindSpeed's dummy TE), builds the model on the TE spec (MindSpeed's classes
 ``MegatronSft`` calls ``repatch(asdict(args))`` with ``use_flash_attn=True``; one unpacked sample
 (tests/swift/tiny.py), fp32, DDP main_grad, ``get_forward_backward_func()``. Prints JSON: the
 stand-in ops that ran, the loss, the parameter names in MindSpeed's order, the main_grads' sha256
-(also saved to OUT/raw/grads_post.safetensors).
+(also saved to OUT/raw/grads_post.rankN.safetensors).
 
-``python swift_npu_step.py OUT MODEL_DIR`` (the tiny model is written there if it is not yet)."""
+``python swift_npu_step.py OUT MODEL_DIR [TP]`` (the tiny model is written there if it is not yet;
+TP > 1: one process per rank, launched by run.ranks, sequence parallel on)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,21 @@ sys.path.insert(0, HERE)
 from probe import _training_only, init_one_rank  # noqa: E402  (tests/npu_standin, tests/swift on sys.path)
 
 
-def main(out, model_dir):
+def init_ranks(tp):
+    """One gloo rank of RANK/WORLD_SIZE (set by the launcher, run.ranks) or a lone rank; TP ``tp``."""
+    if "RANK" not in os.environ:
+        return init_one_rank()
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.distributed.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(0)  # as Megatron-LM's initialize: the RNG tracker forks under SP (CPU generator here)
+
+
+def main(out, model_dir, tp=1):
     sys.argv = sys.argv[:1]
     import torch_npu  # the stand-in
 
@@ -47,7 +62,7 @@ def main(out, model_dir):
 
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         tiny.write_model_dir(model_dir)
-    args = peer.make_args(model_dir, 1, False, "fp32")
+    args = peer.make_args(model_dir, tp, tp > 1, "fp32")  # TP > 1 with sequence parallel, as the user's
     from megatron.core.transformer.enums import AttnBackend
 
     args.transformer_impl, args.spec, args.attention_backend = "transformer_engine", None, AttnBackend.flash
@@ -60,7 +75,7 @@ def main(out, model_dir):
             setattr(args, k, v)
     adaptor.repatch(dict(vars(args)))
     standins.set_args(args)
-    init_one_rank()
+    init_ranks(tp)
     torch.use_deterministic_algorithms(True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.enums import ModelType
@@ -83,7 +98,7 @@ def main(out, model_dir):
     trainer = MegatronTrainer.__new__(MegatronTrainer)
     trainer.args, trainer.stimer, trainer.mcore_013 = args, StragglerDetector(), False
     trainer.unwrapped_models, trainer.wrapped_models, trainer.custom_metrics = [model], [ddp], {}
-    sample = tiny.sample(seq_multiple=1)
+    sample = tiny.sample(seq_multiple=tp)
     seq = sample["input_ids"].shape[1]
     ddp.zero_grad_buffer()
     npu_ops.CALLS.clear()
@@ -93,8 +108,9 @@ def main(out, model_dir):
     grads = {n: p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
     from safetensors.torch import save_file
 
+    rank = int(os.environ.get("RANK", 0))
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
-    save_file(grads, os.path.join(out, "raw", "grads_post.safetensors"))
+    save_file(grads, os.path.join(out, "raw", f"grads_post.rank{rank}.safetensors"))
     report = {"ops_called": dict(npu_ops.CALLS), "names": list(grads), "torch_npu_touched": torch_npu.touched(),
               "reported": {k: [float(x) for x in v] for k, v in (losses[0] if losses else {}).items()},
               "grads_sha256": {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in grads.items()},
@@ -103,4 +119,4 @@ def main(out, model_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]))

@@ -63,7 +63,7 @@ def test_oracle_capture_records_the_npu_branch_step_and_changes_nothing(steps):
     cap, got, want, stderr = steps
     assert got["grads_sha256"] == want["grads_sha256"]
     assert "oracle: captured training call 0 into" in stderr and "with 4 module boundaries" in stderr
-    raw = load_file(os.path.join(cap, "raw", "grads_post.safetensors"))
+    raw = load_file(os.path.join(cap, "raw", "grads_post.rank0.safetensors"))
     post = Bundle(os.path.join(cap, "capture", "post", "rank00000"))
     g = post.load_group("grads")
     assert set(g) == set(raw) and all(torch.equal(g[n], raw[n]) for n in raw)

@@ -14,5 +14,8 @@ for _name in ("current_device", "device_count", "set_device", "synchronize", "em
               "stream", "manual_seed", "manual_seed_all", "mem_get_info", "get_rng_state", "set_rng_state"):  # fmt: skip
     setattr(torch.cuda, _name, vars(npu)[_name])  # vars(): not recorded as MindSpeed touching it
 
+for _name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):  # megatron's RNG tracker reads these
+    setattr(torch.cuda.random, _name, vars(npu)[_name])
+
 MODE = vars(npu)["PlaceOnCpu"]()
 MODE.__enter__()
