@@ -9,7 +9,8 @@ stand-in ops that ran, the loss, the parameter names in MindSpeed's order, the m
 (also saved to OUT/raw/grads_post.rankN.safetensors).
 
 ``python swift_npu_step.py OUT MODEL_DIR [TP]`` (the tiny model is written there if it is not yet;
-TP > 1: one process per rank, launched by run.ranks, sequence parallel on)."""
+TP > 1: one process per rank, launched by run.ranks, sequence parallel on). ``MINDSPEED_STEP_ARGS``
+(JSON) adds flags to the arguments before ``repatch``, e.g. ``{"use_fused_rotary_pos_emb": true}``."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def main(out, model_dir, tp=1):
     args.transformer_impl, args.spec, args.attention_backend = "transformer_engine", None, AttnBackend.flash
     args.gradient_accumulation_fusion, args.bias_swiglu_fusion = True, True
     args.use_flash_attn = True  # MegatronSft.__init__ on NPU, attention_backend != local
+    args.__dict__.update(json.loads(os.environ.get("MINDSPEED_STEP_ARGS", "{}")))  # the run's own flags, e.g. MindSpeed's
     from mindspeed.args_utils import get_mindspeed_args
 
     for k, v in vars(get_mindspeed_args()).items():  # MindSpeed's flags, as its patched parse_args adds them

@@ -69,3 +69,17 @@ def test_oracle_capture_records_the_npu_branch_step_and_changes_nothing(steps):
     assert set(g) == set(raw) and all(torch.equal(g[n], raw[n]) for n in raw)
     assert sorted(post.get("modules")) == [f"module.module.language_model.decoder.layers.{i}" for i in range(4)]
     assert Bundle(os.path.join(cap, "capture", "pre", "rank00000")).get("megatron")["stage"] == "pre-finalize"
+
+
+def test_mindspeed_refuses_its_fused_rotary_op_with_qwen3_vl_mrope(tmp_path):
+    """The NPU rotary op cannot be on the user's step: MindSpeed's --use-fused-rotary-pos-emb is
+    refused for Qwen3-VL's position_embedding_type mrope (its rotary runs as torch ops in ms-swift's
+    mRoPE through MindSpeed's unfused branch), so a rotary fault on this path is not an NPU kernel's."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN"))}
+    env["MINDSPEED_STEP_ARGS"] = '{"use_fused_rotary_pos_emb": true}'
+    p = subprocess.run([sys.executable, os.path.join(run.HERE, "swift_npu_step.py"), str(tmp_path), str(tmp_path / "hf")],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode != 0
+    assert "--use-fused-rotary-pos-emb must enable with--position-embedding-type=rope" in p.stderr
