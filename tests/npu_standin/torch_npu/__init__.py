@@ -8,8 +8,8 @@ MindSpeed environment's tests do); the real torch_npu never coexists with it.
   type ``npu`` is torch's renamed PrivateUse1, and tensors placed on it (or on ``cuda``) are placed on
   the CPU (``npu.PlaceOnCpu``, entered by ``torch_npu.contrib.transfer_to_npu`` as the real one
   redirects CUDA to the NPU).
-- Every name read from this module is recorded in ``TOUCHED`` (``python -m torch_npu`` style report:
-  ``touched()``); a name it lacks raises AttributeError naming the stand-in, so nothing MindSpeed
+- Every name read from this module or ``torch.npu`` is recorded with the modules that read it
+  (``touched()``); a name it lacks raises AttributeError naming the stand-in, so nothing MindSpeed
   reaches is silently faked.
 """
 
