@@ -17,10 +17,10 @@ from oracle.integrations.megatron.rankview import compare_rank, rank_view
 from oracle.replay.run import replay
 from oracle.score.scorer import score
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mindspeed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mindspeed"))
 import run as ms_run  # noqa: E402  (tests/mindspeed/run.py: stdlib only)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-mindspeed" / "bin" / "python"
 
 pytestmark = pytest.mark.skipif(not VENV.exists(), reason="the MindSpeed environment (.venv-mindspeed) is not built")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_standin")
+_STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu_standin")
 sys.path.insert(0, _STANDIN)
 try:
     import npu_ops
