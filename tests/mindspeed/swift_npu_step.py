@@ -8,7 +8,7 @@ over MindSpeed's dummy TE), builds the model on the TE spec (MindSpeed's classes
 stand-in ops that ran, the loss, the parameter names in MindSpeed's order, the main_grads' sha256
 (also saved to OUT/raw/grads_post.rankN.safetensors).
 
-``python swift_npu_step.py OUT MODEL_DIR [TP]`` (the tiny model is written there if it is not yet;
+``python swift_npu_step.py OUT MODEL_DIR [TP [fp32|bf16]]`` (the tiny model is written there if it is not yet;
 TP > 1: one process per rank, launched by run.ranks, sequence parallel on). ``MINDSPEED_STEP_ARGS``
 (JSON) adds flags to the arguments before ``repatch``, e.g. ``{"use_fused_rotary_pos_emb": true}``."""
 
@@ -38,7 +38,7 @@ def init_ranks(tp):
     model_parallel_cuda_manual_seed(0)  # as Megatron-LM's initialize: the RNG tracker forks under SP (CPU generator here)
 
 
-def main(out, model_dir, tp=1):
+def main(out, model_dir, tp=1, dtype="fp32"):
     sys.argv = sys.argv[:1]
     import torch_npu  # the stand-in
 
@@ -63,7 +63,7 @@ def main(out, model_dir, tp=1):
 
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         tiny.write_model_dir(model_dir)
-    args = peer.make_args(model_dir, tp, tp > 1, "fp32")  # TP > 1 with sequence parallel, as the user's
+    args = peer.make_args(model_dir, tp, tp > 1, dtype)  # TP > 1 with sequence parallel, as the user's
     from megatron.core.transformer.enums import AttnBackend
 
     args.transformer_impl, args.spec, args.attention_backend = "transformer_engine", None, AttnBackend.flash
@@ -92,8 +92,10 @@ def main(out, model_dir, tp=1):
     model.model_type = ModelType.encoder_or_decoder
     MultimodalGPTBridge().load_weights(model, model_dir)
     config = get_model_config(model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  standins.PassThroughModule(config, model))  # fmt: skip
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = Float16Module(config, model) if args.bf16 else standins.PassThroughModule(config, model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
     ddp.train()
     config.grad_scale_func = None
     config.finalize_model_grads_func = finalize_model_grads
@@ -121,4 +123,4 @@ def main(out, model_dir, tp=1):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]))
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]), *sys.argv[4:5])

@@ -83,3 +83,14 @@ def test_mindspeed_refuses_its_fused_rotary_op_with_qwen3_vl_mrope(tmp_path):
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode != 0
     assert "--use-fused-rotary-pos-emb must enable with--position-embedding-type=rope" in p.stderr
+
+
+def test_oracle_capture_changes_nothing_in_the_bf16_npu_branch_step(tmp_path):
+    """bf16 (Float16Module, fp32 main_grad): with ORACLE_CAPTURE and ORACLE_CAPTURE_MODULES=layers
+    every main_grad is bitwise that of the run without them, and the capture is written."""
+    env = {"ORACLE_CAPTURE": str(tmp_path / "cap" / "capture"), "ORACLE_CAPTURE_MODULES": "layers"}
+    got, stderr = run.script("swift_npu_step.py", str(tmp_path / "cap"), str(tmp_path / "hf"), "1", "bf16", env=env,
+                             tag="SWIFT")  # fmt: skip
+    want, _ = run.script("swift_npu_step.py", str(tmp_path / "plain"), str(tmp_path / "hf"), "1", "bf16", tag="SWIFT")
+    assert got["grads_sha256"] == want["grads_sha256"] and got["zero_grads"] == []
+    assert "oracle: captured training call 0 into" in stderr and "with 4 module boundaries" in stderr

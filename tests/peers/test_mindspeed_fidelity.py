@@ -1,8 +1,8 @@
 """The 910B path's capture through to the answer: ms-swift 3.12.1's own Qwen3-VL step through its
 NPU branch with MindSpeed 0016137 on the CPU torch_npu stand-in (tests/mindspeed/swift_npu_step.py
 in ``.venv-mindspeed``), captured by ORACLE_CAPTURE alone, merged with no config (MindSpeed's
-parameter order and module names), replayed in float64 and scored. TP 1 and TP 2 + SP, fp32, one
-unpacked sample with an image. Skipped where that environment is not built (``.ci/mindspeed-env``)."""
+parameter order and module names), replayed in float64 and scored. TP 1 and TP 2 + SP, fp32 (and
+bf16 at TP 1), one unpacked sample with an image. Skipped where that environment is not built (``.ci/mindspeed-env``)."""
 
 import os
 import subprocess
@@ -26,16 +26,30 @@ VENV = ROOT / ".venv-mindspeed" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not VENV.exists(), reason="the MindSpeed environment (.venv-mindspeed) is not built")
 
 
-@pytest.fixture(scope="module")
-def npu_branch(tmp_path_factory):
-    out = tmp_path_factory.mktemp("npu-branch")
+def _one_rank(out: Path, dtype: str) -> tuple[str, str]:
+    """The NPU-branch step captured by ORACLE_CAPTURE, merged and replayed: (capture, oracle)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN"))}
     env.update(PYTHONPATH=str(ROOT), ORACLE_CAPTURE=str(out / "capture"))
-    p = subprocess.run([str(VENV), str(ROOT / "tests" / "mindspeed" / "swift_npu_step.py"), str(out), str(out / "hf")],
-                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run([str(VENV), str(ROOT / "tests" / "mindspeed" / "swift_npu_step.py"), str(out), str(out / "hf"),
+                        "1", dtype], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     cap = merge_ranks([out / "capture" / "pre"], out / "merged.cap", recipe="qwen3-vl")
     return str(cap), str(replay(cap, out / "oracle"))
+
+
+@pytest.fixture(scope="module")
+def npu_branch(tmp_path_factory):
+    return _one_rank(tmp_path_factory.mktemp("npu-branch"), "fp32")
+
+
+def test_the_npu_branch_bf16_step_is_within_its_emulated_band(tmp_path):
+    """A bf16 step through MindSpeed (Float16Module, fp32 main_grad via npu_matmul_add_fp32) captured
+    by ORACLE_CAPTURE scores within the noise band of four emulated bf16 runs, on all 104 gradients."""
+    cap, oracle = _one_rank(tmp_path / "bf16", "bf16")
+    band = replay(cap, tmp_path / "band", dtype="bf16", ensemble=4)
+    c = score(oracle, [cap], band_paths=[band])["captures"][0]
+    assert len(c["params"]) == 104 and c["verdict"]["class"] == "within_noise", c["verdict"]
+    assert max(p["excess"] for p in c["params"]) < 1.0
 
 
 def test_the_npu_branch_fp32_step_is_within_1e5_of_the_oracle_with_no_config_given(npu_branch):
