@@ -85,12 +85,22 @@ def test_mindspeed_refuses_its_fused_rotary_op_with_qwen3_vl_mrope(tmp_path):
     assert "--use-fused-rotary-pos-emb must enable with--position-embedding-type=rope" in p.stderr
 
 
-def test_oracle_capture_changes_nothing_in_the_bf16_npu_branch_step(tmp_path):
-    """bf16 (Float16Module, fp32 main_grad): with ORACLE_CAPTURE and ORACLE_CAPTURE_MODULES=layers
-    every main_grad is bitwise that of the run without them, and the capture is written."""
-    env = {"ORACLE_CAPTURE": str(tmp_path / "cap" / "capture"), "ORACLE_CAPTURE_MODULES": "layers"}
+RECOMPUTE = '{"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}'
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+def test_oracle_capture_changes_nothing_in_the_bf16_npu_branch_step(tmp_path, recompute):
+    """bf16 (Float16Module, fp32 main_grad), also under full uniform recompute (the decoder layers'
+    NPU ops run twice): with ORACLE_CAPTURE and ORACLE_CAPTURE_MODULES=layers every main_grad is
+    bitwise that of the run without them, and the capture is written."""
+    extra = {"MINDSPEED_STEP_ARGS": RECOMPUTE} if recompute else {}
+    env = {"ORACLE_CAPTURE": str(tmp_path / "cap" / "capture"), "ORACLE_CAPTURE_MODULES": "layers", **extra}
     got, stderr = run.script("swift_npu_step.py", str(tmp_path / "cap"), str(tmp_path / "hf"), "1", "bf16", env=env,
                              tag="SWIFT")  # fmt: skip
-    want, _ = run.script("swift_npu_step.py", str(tmp_path / "plain"), str(tmp_path / "hf"), "1", "bf16", tag="SWIFT")
+    want, _ = run.script("swift_npu_step.py", str(tmp_path / "plain"), str(tmp_path / "hf"), "1", "bf16", env=extra,
+                         tag="SWIFT")  # fmt: skip
     assert got["grads_sha256"] == want["grads_sha256"] and got["zero_grads"] == []
     assert "oracle: captured training call 0 into" in stderr and "with 4 module boundaries" in stderr
+    text_layers = 4 if recompute else 0  # recomputed forwards: attention, 4 norms, SwiGLU per decoder layer
+    assert got["ops_called"] == {"npu_fusion_attention": 7 + text_layers, "npu_rms_norm": 17 + 4 * text_layers,
+                                 "npu_swiglu": 4 + text_layers, "npu_matmul_add_fp32": 17}  # fmt: skip
