@@ -78,7 +78,7 @@ def _deterministic():
     yield
 
 
-FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "distributed": "distributed", "peers": "peers", "swift": "peers"}
+FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "distributed": "distributed", "peers": "peers", "swift": "peers", "mindspeed": "peers"}
 
 
 def pytest_collection_modifyitems(config, items):
