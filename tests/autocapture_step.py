@@ -27,9 +27,137 @@ if os.environ.get("ORACLE_CAPTURE"):  # what oracle_capture.pth does at start-up
     autocapture.install()
 
 import contextlib  # noqa: E402
+import json  # noqa: E402
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
+
+
+# -- the cases (tests/test_autocapture_guard.py, tests/swift/test_autocapture.py) ----------------
+AS_ROOT = os.geteuid() == 0
+LONG = "x" * 300  # one path component longer than NAME_MAX (255)
+
+
+def read_only(path):
+    """A folder this process cannot write: mode 555, or (as root) EACCES planted under it."""
+    os.makedirs(path, exist_ok=True)
+    if not AS_ROOT:
+        os.chmod(path, 0o555)
+    return "eacces" if AS_ROOT else ""
+
+
+def cases(tmp):
+    """name -> (env, fault, what the one stderr line must say, user files that must stay as they are)."""
+    user = {}
+    os.makedirs(tmp / "pre-is-file")
+    (tmp / "pre-is-file" / "pre").write_text("my notes\n")
+    user["pre-is-file"] = [tmp / "pre-is-file" / "pre"]
+    (tmp / "a-file").write_text("my data\n")
+    user["a-file"] = [tmp / "a-file"]
+    os.makedirs(tmp / "user-rank" / "pre" / "rank00000")
+    (tmp / "user-rank" / "pre" / "rank00000" / "results.csv").write_text("1,2,3\n")
+    user["user-rank"] = [tmp / "user-rank" / "pre" / "rank00000" / "results.csv"]
+    ro_new = read_only(tmp / "ro")
+    os.makedirs(tmp / "ro-existing")
+    (tmp / "ro-existing" / "keep.txt").write_text("mine\n")
+    user["read-only-existing"] = [tmp / "ro-existing" / "keep.txt"]
+    ro_old = read_only(tmp / "ro-existing")
+    c = {
+        "read-only-new": ({"ORACLE_CAPTURE": str(tmp / "ro" / "cap")}, ro_new, "folder this process can write"),
+        "read-only-existing": ({"ORACLE_CAPTURE": str(tmp / "ro-existing")}, ro_old, "folder this process can write"),
+        "proc": ({"ORACLE_CAPTURE": "/proc/oracle-capture"}, "", "cannot write /proc/oracle-capture"),
+        "a-file": ({"ORACLE_CAPTURE": str(tmp / "a-file")}, "", "a file is in the way"),
+        "pre-is-file": ({"ORACLE_CAPTURE": str(tmp / "pre-is-file")}, "", "a file is in the way"),
+        "user-rank": ({"ORACLE_CAPTURE": str(tmp / "user-rank")}, "", "move it away or point ORACLE_CAPTURE at another"),
+        "too-long": ({"ORACLE_CAPTURE": str(tmp / LONG / "cap")}, "", "shorter path"),
+        "disk-full": ({"ORACLE_CAPTURE": str(tmp / "full")}, "enospc", "disk with room"),
+        "hook-fails": ({"ORACLE_CAPTURE": str(tmp / "hook")}, "hook", "out of host memory"),
+        "budget-1e400": ({"ORACLE_CAPTURE": str(tmp / "b1"), "ORACLE_CAPTURE_MODULES": "layers",
+                          "ORACLE_CAPTURE_MODULES_BUDGET_MB": "1e400"}, "", "ORACLE_CAPTURE_MODULES_BUDGET_MB='1e400'"),
+        "budget-words": ({"ORACLE_CAPTURE": str(tmp / "b2"), "ORACLE_CAPTURE_MODULES": "layers",
+                          "ORACLE_CAPTURE_MODULES_BUDGET_MB": "lots"}, "", "ORACLE_CAPTURE_MODULES_BUDGET_MB='lots'"),
+        "step-word": ({"ORACLE_CAPTURE": str(tmp / "s1"), "ORACLE_CAPTURE_STEP": "first"}, "", "ORACLE_CAPTURE_STEP"),
+        "step-negative": ({"ORACLE_CAPTURE": str(tmp / "s2"), "ORACLE_CAPTURE_STEP": "-1"}, "", "integer >= 0"),
+        "step-float": ({"ORACLE_CAPTURE": str(tmp / "s3"), "ORACLE_CAPTURE_STEP": "0.5"}, "", "integer >= 0"),
+        "catastrophic-regex": ({"ORACLE_CAPTURE": str(tmp / "rx"), "ORACLE_CAPTURE_MODULES": r"^(\w+\.?)+!$"}, "",
+                               "exponential time"),
+        "ok-with-layers": ({"ORACLE_CAPTURE": str(tmp / "ok"), "ORACLE_CAPTURE_MODULES": "layers"}, "",
+                           "captured training call 0"),
+    }  # fmt: skip
+    return c, user
+
+
+def run_cases(tmp, plain_out, out) -> dict:
+    """The plain run (no variable) and every case in one process with the variable set at start-up,
+    both with this interpreter; what the checks need."""
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    c, user = cases(tmp)
+    before = {k: [(f.read_bytes(), f.stat().st_mtime_ns) for f in fs] for k, fs in user.items()}
+
+    def run(where, spec, env_start):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORACLE_CAPTURE")}
+        env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **env_start)
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), str(where), json.dumps(spec)], env=env,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        return time.monotonic() - t0
+
+    run(plain_out, [{"name": "plain"}], {})
+    spec = [{"name": n, "env": env, "fault": fault} for n, (env, fault, _) in c.items()]
+    seconds = run(out, spec, {"ORACLE_CAPTURE": str(tmp / "first")})  # set at start-up, as a job sets it
+    return {"tmp": tmp, "cases": c, "user": user, "before": before, "out": out, "seconds": seconds,
+            "plain": load_file(os.path.join(plain_out, "plain.safetensors"))}  # fmt: skip
+
+
+def check(runs: dict, name: str) -> None:
+    """The call ran (the process went on to the next case), its gradients after the loop's finalize
+    are bitwise the run's without the variable, stderr holds the problem once, with its fix, and
+    the user's files in the way are as they were."""
+    import torch
+    from safetensors.torch import load_file
+
+    env, fault, says = runs["cases"][name]
+    grads = load_file(os.path.join(runs["out"], f"{name}.safetensors"))
+    assert set(grads) == set(runs["plain"]) and all(torch.equal(grads[n], runs["plain"][n]) for n in grads), name
+    with open(os.path.join(runs["out"], f"{name}.err")) as f:
+        err = f.read()
+    lines = [x for x in err.splitlines() if x.startswith("oracle:")]
+    assert sum(says in x for x in lines) == 1, err
+    assert "Traceback" not in err, err
+    if name != "ok-with-layers" and not name.startswith(("budget", "catastrophic")):
+        assert len(lines) == 1, err  # once: nothing else said for it
+    for f, (data, mtime) in zip(runs["user"].get(name, []), runs["before"].get(name, [])):
+        assert f.read_bytes() == data and f.stat().st_mtime_ns == mtime, f
+
+
+def check_places(runs: dict) -> None:
+    """A user folder where the rank bundle goes keeps its file and gets no bundle; a full disk leaves
+    no half-written bundle; a bad module selection still captures the step (without boundaries)."""
+    from oracle.bundle.store import Bundle
+
+    tmp = runs["tmp"]
+    assert os.listdir(tmp / "user-rank" / "pre" / "rank00000") == ["results.csv"]
+    assert os.listdir(tmp / "full" / "pre") == []  # no bundle, no debris, no probe
+    assert sorted(os.listdir(tmp / "ro-existing")) == ["keep.txt"]
+    for name in ("b1", "b2", "rx"):
+        assert (tmp / name / "pre" / "rank00000" / "manifest.json").exists(), name
+        assert (tmp / name / "post" / "rank00000" / "manifest.json").exists(), name
+    assert any(g.startswith("mod.") for g in Bundle(tmp / "ok" / "pre" / "rank00000").groups())
+    assert not any(g.startswith("mod.") for g in Bundle(tmp / "rx" / "pre" / "rank00000").groups())
+
+
+CASES = ["read-only-new", "read-only-existing", "proc", "a-file", "pre-is-file", "user-rank", "too-long", "disk-full",
+         "hook-fails", "budget-1e400", "budget-words", "step-word", "step-negative", "step-float", "catastrophic-regex",
+         "ok-with-layers"]  # fmt: skip
+
+
+
+# -- the training process ---------------------------------------------------------------------
 
 
 class CudaToCpu(TorchFunctionMode):
@@ -172,6 +300,4 @@ def one_step() -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    import json
-
     main(sys.argv[1], json.loads(sys.argv[2]))
