@@ -99,8 +99,8 @@ def test_a_broken_input_is_exit_4_naming_the_tensor_before_any_replay(captures, 
 
 @pytest.mark.parametrize("name", ["ids-past-the-vocabulary", "pixels-one-patch-short"])
 def test_the_streamed_and_emulated_replays_check_the_same_boundary(captures, tmp_path, name):
-    """The same refusal from the streaming replay (--max-memory) and an emulated one (--dtype bf16)."""
-    for extra in (["--max-memory", "1G"], ["--dtype", "bf16"]):
+    """The same refusal from the streaming replay (--max-memory), its --dry-run and an emulated one (--dtype bf16)."""
+    for extra in (["--max-memory", "1G"], ["--max-memory", "1G", "--dry-run"], ["--dtype", "bf16"]):
         res = _replay(captures[name], tmp_path / "o", *extra)
         assert res.exit_code == 4 and CASES[name][1] in res.output, (extra, res.output)
 
