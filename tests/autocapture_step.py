@@ -131,6 +131,8 @@ def check(runs: dict, name: str) -> None:
     assert "Traceback" not in err, err
     if name != "ok-with-layers" and not name.startswith(("budget", "catastrophic")):
         assert len(lines) == 1, err  # once: nothing else said for it
+    with open(os.path.join(runs["out"], f"{name}.json")) as f:
+        assert json.load(f) == {"hooks": 0, "finalize_restored": True}, name  # nothing of the capture stays on the model
     for f, (data, mtime) in zip(runs["user"].get(name, []), runs["before"].get(name, [])):
         assert f.read_bytes() == data and f.stat().st_mtime_ns == mtime, f
 
@@ -246,12 +248,14 @@ def main(out: str, cases: list[dict]) -> None:
         sys.stderr = err
         try:
             with faults(case.get("fault", ""), os.environ.get("ORACLE_CAPTURE", "/nonexistent")):
-                grads = one_step()
+                grads, left = one_step()
         finally:
             sys.stderr = real_err
         save_file(grads, os.path.join(out, case["name"] + ".safetensors"))
         with open(os.path.join(out, case["name"] + ".err"), "w") as f:
             f.write(err.getvalue())
+        with open(os.path.join(out, case["name"] + ".json"), "w") as f:
+            json.dump(left, f)
     torch.distributed.destroy_process_group()
 
 
@@ -296,7 +300,9 @@ def one_step() -> dict[str, torch.Tensor]:
     with CudaToCpu():
         get_forward_backward_func()(forward_step_func=step, data_iterator=iter([b]), model=[model], num_microbatches=1,
                                     seq_length=s, micro_batch_size=1, forward_only=False)  # fmt: skip
-    return {n: p.grad.contiguous() for n, p in model.named_parameters()}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    left = {"hooks": hooks, "finalize_restored": config.finalize_model_grads_func is finalize}
+    return {n: p.grad.contiguous() for n, p in model.named_parameters()}, left
 
 
 if __name__ == "__main__":

@@ -365,7 +365,10 @@ class _Capture:
         """Remove every hook and give the loop its own finalize back (each step on its own: one
         failing never keeps the others from running)."""
         if self.handle is not None:
-            self.guard(self.handle.remove)()
+            try:
+                self.handle.remove()  # also after a failure: no hook of ours stays on the model
+            except Exception as e:  # noqa: BLE001
+                self.fail(e, "removing the batch hook")
             self.handle = None
         if self.config is not None and self.finalize is not None:
             self.config.finalize_model_grads_func = self.finalize
