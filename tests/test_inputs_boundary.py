@@ -121,3 +121,15 @@ def test_the_untouched_capture_passes_the_boundary(fp32_capture):
     from oracle.replay.inputs import check_inputs
 
     check_inputs(Bundle(fp32_capture))  # raises on any problem
+
+
+def test_judge_of_two_runs_with_broken_inputs_is_exit_4_before_any_replay(captures, tmp_path):
+    """oracle judge on two captures of one step whose ids are past the vocabulary: its first replay
+    meets the boundary, exit 4 naming inputs/input_ids, no report written."""
+    import shutil
+
+    a = captures["ids-past-the-vocabulary"]
+    b = shutil.copytree(a, tmp_path / "b")
+    res = CliRunner().invoke(app, ["judge", str(a), str(b), "--out", str(tmp_path / "j")])
+    assert res.exit_code == 4 and "inputs/input_ids holds ids" in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "j").exists()
