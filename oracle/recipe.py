@@ -77,6 +77,19 @@ class Recipe:
         """Named module selections for boundary capture: preset name -> regex over module names."""
         return {}
 
+    def vocab_size(self, config: dict[str, Any]) -> int | None:
+        """Rows of the token embedding the model of ``config`` builds (token ids are below it); the
+        engine checks a capture's ids against it before any replay (oracle/replay/inputs.py)."""
+        v = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def check_inputs(self, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], load) -> list[str]:
+        """The model-specific agreements of a capture's inputs (image tokens against the vision
+        features, ...), checked at the inputs boundary after the generic ones (ids, positions):
+        ``shapes`` name -> shape of every input, ``load(name)`` a tensor (load only what is small).
+        One line per problem naming the tensor and the fix; [] when they agree."""
+        return []
+
     def stream_units(self) -> str | None:
         """Regex over module names: the units the streaming replay materialises one at a time
         (decoder layers, ViT blocks, mergers, embeddings). The head is streamed by the engine."""

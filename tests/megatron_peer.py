@@ -183,7 +183,7 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
         get_forward_backward_func()(forward_step_func=step, data_iterator=iter([b]), model=[ddp], num_microbatches=1,
                                     seq_length=s, micro_batch_size=1, forward_only=False)  # fmt: skip
-    loss = seen.get("loss")
+    loss = None if opts.get("no_loss") else seen.get("loss")  # no_loss: a custom loop's capture_rank(loss=None)
     kw = {
         "batch": b,
         "loss": loss,
@@ -203,16 +203,18 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
 
 def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
-             fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None) -> str:  # fmt: skip
+             fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None,
+             no_loss: bool = False) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
     in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
     ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward.
     ``tied``: share_embeddings_and_output_weights (with PP > 1 the last stage holds its own copy of the
     embedding as output_layer, and finalize sums the two stages' gradients). ``modules``: a selection
-    for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles."""
+    for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles. ``no_loss``: the
+    ranks are captured with ``loss=None`` (a custom loop that records no loss)."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
-            "packed": packed, "fault": fault, "tied": tied, "modules": modules}  # fmt: skip
+            "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss}  # fmt: skip
     port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out

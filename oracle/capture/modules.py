@@ -26,7 +26,9 @@ calls (a module called twice accumulates its parameter gradients over both: loca
 judges outputs only); ``no_grad_calls`` and ``recomputed_calls`` count the others; ``order`` is
 the module's place in the forward's completion order (first calls), as without recompute.
 
-Every tensor is copied to CPU as soon as it is seen; recording stops (and says so) once the disk
+A hook never raises into the step: a failure of the recording itself (``_guarded``) stops it and
+``failed`` says why. Selection regexes are refused when they could backtrack exponentially
+(``check_pattern``). Every tensor is copied to CPU as soon as it is seen; recording stops (and says so) once the disk
 budget would be exceeded. Hooks are removed in ``close()`` / on leaving the context, always.
 
 Per module the bundle gets one group ``mod.<module name>`` with tensors ``in.<i>``, ``out.<i>``,
@@ -55,9 +57,109 @@ def _sequence_now() -> int:
         return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
 
 
+#: Longest selection pattern taken (characters); module names longer than NAME_MAX are never selected.
+PATTERN_MAX = 1000
+NAME_MAX = 1000
+#: Wall-clock bound on matching all names when the ``regex`` package (its ``timeout=``) is installed.
+MATCH_SECONDS = 2.0
+
+
+def _repeats(items, inside: bool) -> str | None:
+    """The first construct that makes backtracking exponential: a quantifier (``+``, ``*``, ``{m,n}``
+    with n > 1) or an alternation (``a|b``) inside a repeated group. ``items``: a parsed pattern."""
+    try:
+        from re import _constants as c
+        from re import _parser as sre
+    except ImportError:  # Python < 3.11
+        import sre_constants as c  # noqa: F401
+        import sre_parse as sre  # noqa: F401
+    repeat_ops = {c.MAX_REPEAT, c.MIN_REPEAT} | ({c.POSSESSIVE_REPEAT} if hasattr(c, "POSSESSIVE_REPEAT") else set())
+    for op, av in items:
+        if op in repeat_ops:
+            lo, hi, sub = av
+            if hi > 1 and lo != hi and inside:  # a fixed count {n} inside a repeat does not multiply the ways
+                return "a quantifier inside a repeated group"
+            found = _repeats(sub, inside or hi > 1)
+            if found:
+                return found
+        elif op is c.BRANCH:
+            if inside:
+                return "an alternation (|) inside a repeated group"
+            for alt in av[1]:
+                found = _repeats(alt, inside)
+                if found:
+                    return found
+        elif op is c.SUBPATTERN:
+            found = _repeats(av[-1], inside)
+            if found:
+                return found
+        elif op in (c.ASSERT, c.ASSERT_NOT):
+            found = _repeats(av[1], inside)
+            if found:
+                return found
+        elif op is c.GROUPREF_EXISTS:
+            for alt in av[1:]:
+                if alt is not None:
+                    found = _repeats(alt, inside)
+                    if found:
+                        return found
+    return None
+
+
+def check_pattern(pattern: str) -> None:
+    """ValueError for a selection regex that could take exponential time over a module name (the
+    time guard, which needs no third-party package): the pattern is parsed with the standard
+    library's own regex parser and refused when a repeated group holds a quantifier or an
+    alternation (``(\\w+\\.?)+``, ``(a|ab)*``: the catastrophic-backtracking shapes). What remains
+    backtracks at most polynomially in the name's length, and names are at most ``NAME_MAX``
+    characters; with the ``regex`` package installed the match also runs under its ``timeout``."""
+    if len(pattern) > PATTERN_MAX:
+        raise ValueError(f"module selection regex is {len(pattern)} characters (at most {PATTERN_MAX})")
+    try:
+        try:
+            from re import _parser as sre
+        except ImportError:  # Python < 3.11
+            import sre_parse as sre
+        parsed = sre.parse(pattern)
+    except re.error as e:
+        raise ValueError(f"module selection {pattern!r} is not a valid regex ({e})") from None
+    why = _repeats(list(parsed), False)
+    if why:
+        raise ValueError(f"module selection {pattern!r} has {why}, which can take exponential time to match (the "
+                         "training would hang): write it without nesting, e.g. 'decoder\\.layers\\.\\d+$' or "
+                         "'layers\\.(?:1|2)\\.mlp$' with the alternation outside any repeat")  # fmt: skip
+
+
 def select(model: nn.Module, pattern: str) -> list[str]:
-    rx = re.compile(pattern)
-    return [n for n, _ in model.named_modules() if n and rx.search(n)]
+    """The module names ``pattern`` searches (never the root ''). Refuses a pattern that could hang
+    (``check_pattern``); with the ``regex`` package the whole selection runs under ``MATCH_SECONDS``."""
+    check_pattern(pattern)
+    names = [n for n, _ in model.named_modules() if n and len(n) <= NAME_MAX]
+    try:
+        import regex
+    except ImportError:
+        rx = re.compile(pattern)
+        return [n for n in names if rx.search(n)]
+    import time
+
+    try:
+        rx = regex.compile(pattern, flags=regex.VERSION0)
+    except regex.error:  # a construct only ``re`` reads: check_pattern has parsed it with ``re``
+        rx = None
+    if rx is None:
+        crx = re.compile(pattern)
+        return [n for n in names if crx.search(n)]
+    deadline = time.monotonic() + MATCH_SECONDS
+    out = []
+    for n in names:
+        try:
+            if rx.search(n, timeout=max(deadline - time.monotonic(), 1e-3)):
+                out.append(n)
+        except TimeoutError:
+            raise ValueError(f"module selection {pattern!r} took over {MATCH_SECONDS:g} s to match the model's "
+                             f"{len(names)} module names (a regex that backtracks): write a simpler one, e.g. "
+                             "'decoder\\.layers\\.\\d+$'") from None  # fmt: skip
+    return out
 
 
 def group_name(module: str) -> str:
@@ -82,6 +184,23 @@ class ModuleRecorder:
         self._recording: dict[str, bool] = {}  # pre -> post of the call being recorded
         self._bytes_of: dict[str, int] = {}  # bytes kept per module (a replaced record gives them back)
         self._pending: dict[str, tuple[dict[tuple[int, int], int], int, list]] = {}  # pre -> post of one call
+        #: why recording stopped (a hook's own failure: out of host memory, ...); the step runs on untouched
+        self.failed: str | None = None
+
+    def _guarded(self, hook):
+        """A hook that never raises into the step: a failure of the recording stops the recording
+        (``failed`` says why) and the hook returns None, as every hook here does."""
+
+        def guarded(*a, **k):
+            if self.failed is not None:
+                return None
+            try:
+                return hook(*a, **k)
+            except Exception as e:  # noqa: BLE001  (a recording failure must never stop the training step)
+                self.failed = f"{type(e).__name__}: {e}"
+                return None
+
+        return guarded
 
     # -- storing ----------------------------------------------------------------------------
     def _keep(self, module: str, key: str, t: torch.Tensor) -> None:
@@ -169,7 +288,7 @@ class ModuleRecorder:
                 if isinstance(v, torch.Tensor):
                     self._keep(name, f"out.{i}", v)
                     if v.requires_grad and torch.is_grad_enabled():
-                        v.register_hook(self._grad_hook(name, f"gout.{i}"))
+                        v.register_hook(self._guarded(self._grad_hook(name, f"gout.{i}")))
                         meta["grad_out"].append(i)
                         if v.grad_fn is not None:
                             roots.append(v.grad_fn)
@@ -220,14 +339,14 @@ class ModuleRecorder:
             return hook
 
         for node, slots in consumers.values():
-            self._handles.append(node.register_hook(on_node(slots)))
+            self._handles.append(node.register_hook(self._guarded(on_node(slots))))
 
     def __enter__(self) -> ModuleRecorder:
         try:
             for n in self.names:
                 m = self.model.get_submodule(n)
-                self._handles.append(m.register_forward_pre_hook(self._pre(n), with_kwargs=True))
-                self._handles.append(m.register_forward_hook(self._post(n), with_kwargs=True))
+                self._handles.append(m.register_forward_pre_hook(self._guarded(self._pre(n)), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._guarded(self._post(n)), with_kwargs=True))
         except Exception:
             self.close()
             raise

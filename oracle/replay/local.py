@@ -45,6 +45,7 @@ from ..metrics import rel_l2
 from ..parallel import distributed
 from ..precision import CAPTURE_NAMES, emulation
 from ..precision.mode import PrecisionMode
+from .inputs import check_inputs
 from .run import run_step
 from .setup import recipe_of
 from .streaming.materialize import Weights, evict, materialize, skeleton
@@ -248,6 +249,7 @@ def replay_local(
                               f"recipe's modules (e.g. {unmapped[0]['module']}: {unmapped[0]['why']})")  # fmt: skip
         raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all), or on "
                           "Megatron with ORACLE_CAPTURE_MODULES=layers (or capture_rank(modules=record_modules(...)))")  # fmt: skip
+    check_inputs(cap)  # the inputs boundary (oracle/replay/inputs.py): the loss head reads the labels
     names = sorted(recorded)
     if modules:
         try:

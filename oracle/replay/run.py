@@ -35,6 +35,7 @@ from ..errors import BundleError, NotReplayable, UsageError
 from ..parallel import distributed, tensor_parallel
 from ..precision.mode import PrecisionMode
 from .certify import finite_difference_certificate
+from .inputs import check_inputs
 from .loss import chunked_head
 from .setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries, use_replay_attention
 
@@ -112,6 +113,7 @@ def replay(
     if "inputs" not in cap.groups() or not cap.names("inputs"):
         raise NotReplayable(f"{cap.path} holds no inputs (an msprobe import or its merge): it can only be scored against "
                             "an oracle of the same step; capture the step with the Megatron hook or oracle.Capture to replay it")  # fmt: skip
+    check_inputs(cap)  # the inputs boundary (oracle/replay/inputs.py): before any replay path runs
     t0 = time.perf_counter()
     base = {
         "recipe": cap.get("recipe"),

@@ -155,6 +155,47 @@ class Qwen3VLRecipe(Recipe):
             ]),
         }  # fmt: skip
 
+    def check_inputs(self, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], load) -> list[str]:
+        """Images against their tokens (oracle/replay/inputs.py calls it after the ids' checks):
+        ``image_grid_thw`` (n_images, 3) of positive (t, h, w) with h, w multiples of the merge size;
+        ``pixel_values`` one row per patch, sum(t*h*w) rows of C*tp*p*p values; the ids hold one
+        image token per merged patch, sum(t*h*w) / merge**2 (the model scatters exactly that many
+        vision features into the image tokens' places)."""
+        vision = config.get("vision_config") or {}
+        merge = int(vision.get("spatial_merge_size", 2))
+        ids_name = "input_ids" if "input_ids" in shapes else "tokens"
+        image_id = config.get("image_token_id")
+        n_tokens = int((load(ids_name) == image_id).sum()) if image_id is not None and ids_name in shapes else 0
+        if "image_grid_thw" not in shapes and "pixel_values" not in shapes:
+            return [] if not n_tokens else [
+                f"inputs/{ids_name} holds {n_tokens} image token(s) (id {image_id}) but the capture has no pixel_values "
+                "and image_grid_thw: capture the step's images with its ids"]  # fmt: skip
+        if "image_grid_thw" not in shapes or "pixel_values" not in shapes:
+            have, lack = ("pixel_values", "image_grid_thw") if "pixel_values" in shapes else ("image_grid_thw", "pixel_values")
+            return [f"inputs/{lack} is missing while inputs/{have} is there: a Qwen3-VL image is its pixels and their grid"]
+        grid = load("image_grid_thw")
+        if grid.dim() != 2 or grid.shape[-1] != 3 or grid.is_floating_point():
+            return [f"inputs/image_grid_thw has shape {list(grid.shape)} ({grid.dtype}): one integer (t, h, w) row per image"]
+        if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
+            return [f"inputs/image_grid_thw {grid.tolist()}: t, h, w are positive and h, w multiples of the merge size {merge}"]
+        patches = int(grid.prod(-1).sum())
+        problems = []
+        pv = shapes["pixel_values"]
+        width = int(vision.get("in_channels", 3)) * int(vision.get("temporal_patch_size", 2)) * int(vision.get("patch_size", 16)) ** 2
+        if len(pv) != 2 or pv[0] != patches:
+            problems.append(f"inputs/pixel_values has {pv[0] if pv else 0} patch row(s) (shape {list(pv)}) but "
+                            f"inputs/image_grid_thw {grid.tolist()} makes {patches}: the grid and the pixels are of "
+                            "different images, or pixels were lost; capture them together")  # fmt: skip
+        elif pv[1] != width:
+            problems.append(f"inputs/pixel_values rows hold {pv[1]} values; this vision config's patches hold {width} "
+                            "(channels x temporal patch x patch x patch)")  # fmt: skip
+        want = patches // merge**2
+        if n_tokens != want:
+            problems.append(f"inputs/{ids_name} holds {n_tokens} image token(s) (id {image_id}) but inputs/image_grid_thw "
+                            f"{grid.tolist()} makes {want} merged patches (t*h*w / {merge}x{merge}): one image token per "
+                            "vision feature; the ids and the images are of different samples")  # fmt: skip
+        return problems
+
     def stream_token_modules(self) -> str:
         return r"^model\.language_model\.layers\.\d+\.mlp$|^model\.visual\.blocks\.\d+\.mlp$"
 

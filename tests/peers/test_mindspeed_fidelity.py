@@ -78,7 +78,7 @@ def npu_branch_tp2sp(tmp_path_factory):
 def test_the_npu_branch_tp2_sp_step_is_within_1e5_and_names_the_unreduced_vision_gradients(npu_branch_tp2sp):
     """TP 2 + SP through MindSpeed: the 77 gradients judged against the oracle within 1e-5, the loss
     within 1e-6; the 39 vision-tower gradients ms-swift never reduces across TP ranks are a framework
-    finding (as on the H20 path, tests/test_swift_fidelity.py), not a device error."""
+    finding (as on the H20 path, tests/peers/test_swift_fidelity.py), not a device error."""
     _, cap, oracle = npu_branch_tp2sp
     c = score(oracle, [cap])["captures"][0]
     worst = max(c["params"], key=lambda p: p["rel_l2"])

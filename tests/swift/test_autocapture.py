@@ -100,3 +100,52 @@ def test_nothing_captured_is_reported(tmp_path_factory, hf_dir):
     log = open(os.path.join(out, "rank0.log")).read()
     assert ("is set but nothing was captured: the training loop ran 1 forward-backward call(s), "
             "ORACLE_CAPTURE_STEP=3 was never reached") in log  # fmt: skip
+
+
+# -- a failing capture never stops, hangs or changes the step (issue 32, item 1) ---------------------------------
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import autocapture_step  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def plain_tp1(tmp_path_factory, hf_dir):
+    return truth.load_ranks(_run(tmp_path_factory, hf_dir, "tp1-fp32"))
+
+
+@pytest.mark.parametrize("case", ["user-folder-in-the-way", "catastrophic-regex"])
+def test_a_failing_capture_leaves_ms_swifts_step_bitwise_and_says_so_once(tmp_path_factory, hf_dir, plain_tp1, case):
+    """ms-swift's own step with ORACLE_CAPTURE at a folder whose pre/rank00000 is the user's (with a bad
+    budget and a catastrophic regex as well), or with ORACLE_CAPTURE_MODULES='^(\\w+\\.?)+!$': the
+    run ends (no hang, exit 0), its gradients are bitwise those without the variable, the problem is
+    said once, the user's folder keeps its file; the regex case still captures, without boundaries."""
+    mine = tmp_path_factory.mktemp("mine")
+    (mine / "pre" / "rank00000").mkdir(parents=True)
+    (mine / "pre" / "rank00000" / "results.csv").write_text("1,2,3\n")
+    env = {"user-folder-in-the-way": {"ORACLE_CAPTURE": str(mine), "ORACLE_CAPTURE_MODULES": r"^(\w+\.?)+!$",
+                                      "ORACLE_CAPTURE_MODULES_BUDGET_MB": "1e400"},
+           "catastrophic-regex": {"ORACLE_CAPTURE": "{out}/capture", "ORACLE_CAPTURE_MODULES": r"^(\w+\.?)+!$"}}[case]  # fmt: skip
+    out = _run(tmp_path_factory, hf_dir, "tp1-fp32", env=env)
+    got = truth.load_ranks(out)[0]
+    for kind in ("grads_pre", "grads_post", "weights"):
+        assert all(torch.equal(got[kind][n], plain_tp1[0][kind][n]) for n in plain_tp1[0][kind]), kind
+    said = [x for x in open(os.path.join(out, "rank0.log")).read().splitlines() if x.startswith("oracle:")]
+    if case == "user-folder-in-the-way":
+        assert len(said) == 1 and "move it away or point ORACLE_CAPTURE at another folder" in said[0], said
+        assert os.listdir(mine / "pre" / "rank00000") == ["results.csv"] and not (mine / "post").exists()
+    else:
+        assert len(said) == 2 and "exponential time" in said[0] and "captured training call 0" in said[1], said
+        assert not Bundle(os.path.join(out, "capture", "pre", "rank00000")).get("modules")
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("guard")
+    yield autocapture_step.run_cases(tmp, tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("captured"))
+    for p in (tmp / "ro", tmp / "ro-existing"):
+        p.chmod(0o755)
+
+
+@pytest.mark.parametrize("name", autocapture_step.CASES)
+def test_every_capture_failure_in_the_pinned_env(worker_runs, name):
+    """The main env's cases (tests/integration/test_autocapture_guard.py) with this env's torch and megatron-core."""
+    autocapture_step.check(worker_runs, name)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,21 @@ def parallel_coords() -> dict[str, int]:
         "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
         "cp_size": ps.get_context_parallel_world_size(),
     }  # fmt: skip
+
+
+def run_id() -> str | None:
+    """An id every rank of one torch.distributed run shares, and another run never does: the first
+    rank to ask puts a random one in the process group's store (``compare_set``: atomic, one round
+    trip, never waits for other ranks), every later ask reads it. Merge compares it, so ranks of two
+    runs are told apart even without a loss. None without torch.distributed (or a store that cannot)."""
+    try:
+        if not torch.distributed.is_initialized():
+            return None
+        store = torch.distributed.distributed_c10d._get_default_store()
+        value = store.compare_set("oracle/run_id", "", uuid.uuid4().hex)
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except Exception:  # noqa: BLE001  (an id we cannot get is no reason to fail a capture)
+        return None
 
 
 def _language_model(model: nn.Module) -> nn.Module | None:
@@ -288,6 +304,7 @@ def capture_rank(
             megatron={
                 "stage": stage,
                 "coords": c,
+                "run_id": run_id(),
                 "calculate_per_token_loss": calculate_per_token_loss,
                 "num_tokens": num_tokens,
                 "loss_as_given": given,

@@ -82,7 +82,29 @@ def rank_bundles(paths: list[str | Path]) -> list[Bundle]:
             raise BundleError(
                 f"{b.path} is not a Megatron rank capture (no 'megatron' section with rank coordinates); write it with oracle.integrations.megatron.hook.capture_rank"
             )
+        _check_coords(b)
     return out
+
+
+_COORDS = ("rank", "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "cp_size")
+
+
+def _check_coords(b: Bundle) -> None:
+    """A rank's coordinates, where merge reads them: ``tp_rank`` is required (the schema's default 0
+    would silently make every rank TP 0); every coordinate present is an integer, sizes >= 1 and
+    each rank below its size. BundleError (exit 4) naming the rank bundle, the key and the fix."""
+    c = b.manifest["megatron"]["coords"]
+    fix = "write the rank with oracle.integrations.megatron.hook.capture_rank (coords= from megatron's parallel_state)"
+    if not isinstance(c, dict) or "tp_rank" not in c:
+        raise BundleError(f"{b.path}: manifest megatron.coords has no 'tp_rank' (its TP coordinate), so the rank cannot be "
+                          f"placed in the merge; {fix}")  # fmt: skip
+    bad = [f"{k}={c[k]!r}" for k in _COORDS if k in c and (not isinstance(c[k], int) or isinstance(c[k], bool)
+                                                          or c[k] < (1 if k.endswith("_size") else 0))]  # fmt: skip
+    bad += [f"{k}_rank={c[k + '_rank']} >= {k}_size={c[k + '_size']}" for k in ("tp", "pp", "dp")
+            if not bad and k + "_rank" in c and k + "_size" in c and c[k + "_rank"] >= c[k + "_size"]]  # fmt: skip
+    if bad:
+        raise BundleError(f"{b.path}: manifest megatron.coords {', '.join(bad)} (ranks are integers >= 0 below their "
+                          f"sizes, sizes integers >= 1); {fix}")  # fmt: skip
 
 
 def _one(metas: list[dict], key: str, what: str, default: int = 1) -> int:
@@ -100,8 +122,10 @@ def _not_one_run(a: Bundle, b: Bundle, field: str, va: Any, vb: Any) -> Mismatch
 
 
 def check_one_run(bundles: list[Bundle]) -> None:
-    """Every rank of one run records the same stage, loss convention and run config (sequence
-    parallel among its fields); MismatchError (exit 5) naming the two ranks and the field otherwise."""
+    """Every rank of one run records the same run id (hook.py ``run_id``: shared through the run's
+    torch.distributed store, so it proves one run with or without a loss; ranks written without
+    one are taken on their other records), stage, loss convention and run config (sequence parallel
+    among its fields); MismatchError (exit 5) naming the two ranks and the field otherwise."""
     ref, m0 = bundles[0], bundles[0].manifest["megatron"]
     for b in bundles[1:]:
         m = b.manifest["megatron"]
@@ -112,6 +136,9 @@ def check_one_run(bundles: list[Bundle]) -> None:
         diff = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
         if diff:
             raise _not_one_run(ref, b, f"config.{diff[0]}", ca.get(diff[0]), cb.get(diff[0]))
+        if (m.get("run_id") or m0.get("run_id")) and m.get("run_id") != m0.get("run_id"):
+            raise _not_one_run(ref, b, "run_id (the id every rank of one torch.distributed run shares)",
+                               m0.get("run_id"), m.get("run_id"))  # fmt: skip
 
 
 def _check_same_step(chosen: dict[tuple[int, int, int], Bundle], bundles: list[Bundle], info: dict) -> None:
@@ -143,8 +170,22 @@ def _check_same_step(chosen: dict[tuple[int, int, int], Bundle], bundles: list[B
         gated = (ma.get("config") or {}).get("gated_linear_unit", True)
         for n in sorted(set(wa) & set(wb)):
             layout = ma.get("layout", {}).get(n, {})
-            if kind_of(strip_wrappers(n), {**layout, "gated": gated}) == "norm" and wa[n] != wb[n]:
+            if wa[n] == wb[n]:
+                continue
+            if kind_of(strip_wrappers(n), {**layout, "gated": gated}) == "norm":
                 raise _not_one_run(ref, b, f"weights/{n} (a replicated norm weight)", "one value", "another")
+            if _replicated(ref, b, n):
+                raise _not_one_run(ref, b, f"weights/{n} (a weight replicated on every TP rank)", "one value", "another")
+
+
+def _replicated(a: Bundle, b: Bundle, name: str) -> bool:
+    """Whether both ranks record ``name`` as not split by tensor parallelism (its layout's
+    ``tensor_model_parallel`` false) with one shape: every TP rank then holds the same values."""
+    la = (a.manifest["megatron"].get("layout") or {}).get(name) or {}
+    lb = (b.manifest["megatron"].get("layout") or {}).get(name) or {}
+    if la.get("tensor_model_parallel", True) or lb.get("tensor_model_parallel", True):
+        return False
+    return a.entry("weights", name)["shape"] == b.entry("weights", name)["shape"]
 
 
 def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dict[tuple[int, int, int], Bundle], dict[str, Any]]:
@@ -416,7 +457,8 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                                 "padding": rank_vocab.get("padding"), "how": rank_vocab.get("how")},
                       "config": {**heads.as_config(), **run}, "mapping": mapping, "packing": packing,
                       "labels": labels, "numerics": meta.get("numerics"), "seq_lengths": meta.get("seq_lengths"),
-                      "unreduced": unreduced, "boundaries": boundaries, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings},
+                      "unreduced": unreduced, "boundaries": boundaries, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings,
+                      "run_id": meta.get("run_id")},
         )  # fmt: skip
         w.add("inputs", inputs)
         w.add("weights", weights)

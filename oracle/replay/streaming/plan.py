@@ -69,9 +69,11 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     (``activation_budget`` and ``token_chunk`` as the run's test overrides). ``ranks`` > 1: one rank
     of the token-parallel replay (--split tokens): memory and disk per rank (its rows' boundary
     activations and input gradients, budget.need's per-rank reserve), the time at ideal speed-up."""
+    from ..inputs import check_inputs
     from ..setup import recipe_of
     from . import budget as budgets
 
+    check_inputs(cap)  # what the run would refuse first (oracle/replay/inputs.py)
     recipe = recipe_of(cap)
     compute = precisions.emulation(dtype)[0]
     size = torch.empty((), dtype=compute).element_size()
