@@ -38,35 +38,21 @@ from typing import Any
 
 from safetensors import safe_open
 
+from ...bundle import signing
 from ...bundle.store import tensor_sha256
 from ...errors import OutputExists
 
 MADE_BY = "oracle streaming replay work folder"
 HEADER, JOURNAL, END = "header.json", "journal.jsonl", "end.json"
 FILE_NAME = re.compile(r"(shard-\d{5}|gin-[0-9a-f]{12}-\d{1,9})\.safetensors")
-UNKEYED = b"oracle-work-folder-unkeyed"
-_KEY: bytes | None = None
 
 
 def key() -> bytes:
-    """This user's signing key, made on first use (0600, exclusive create: two first runs agree)."""
-    global _KEY
-    if _KEY is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oracle"
-        path = root / "work.key"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(secrets.token_bytes(32))
-            except FileExistsError:
-                pass
-            k = path.read_bytes()
-            _KEY = k if len(k) == 32 else UNKEYED
-        except OSError:
-            _KEY = UNKEYED
-    return _KEY
+    """This user's signing key (``bundle/signing.py``); ``_KEY`` set here overrides it (tests)."""
+    return _KEY if _KEY is not None else signing.key()
+
+
+_KEY: bytes | None = None
 
 
 def _mac(*parts: Any) -> str:
@@ -74,9 +60,7 @@ def _mac(*parts: Any) -> str:
     return hmac.new(key(), msg, hashlib.sha256).hexdigest()
 
 
-def _same(got: str, want: str) -> bool:
-    """Constant-time comparison of a MAC read from a file (any text, non-ASCII included) with ours."""
-    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want.encode())
+_same = signing.same
 
 
 def _read_json(path: Path) -> Any:
