@@ -129,7 +129,7 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> None:
         why = _replaceable(path)
         if why:
             raise OutputExists(f"output {path} {why}")
-    if path.parent.is_dir():
+    if path.parent.is_dir() and os.environ.get("RANK", "0") in ("", "0"):  # ranks > 0 of a distributed run never publish
         try:
             atomic.claim(path)
         except FileExistsError as e:

@@ -187,8 +187,8 @@ class Judge:
     @staticmethod
     def precisions(caps: list[Bundle]) -> list[str]:
         out = []
-        for c in caps:
-            p = c.get("precision") or "fp32"
+        for c in caps:  # a capture that does not say its precision gets no band (its verdict: incomplete)
+            p = c.get("precision")
             if p in CAPTURE_NAMES and p not in out:
                 out.append(p)
         return out
