@@ -50,6 +50,7 @@ import torch
 
 from ... import recipe as recipes
 from ...bundle.store import Bundle, BundleWriter
+from .stale import check_stale
 from ...errors import BundleError, MismatchError, UsageError
 from .boundaries import merge_boundaries
 from .hfconfig import hf_config as run_hf_config
@@ -156,6 +157,7 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
         b = next(b for b, m in zip(bundles, metas) if m["stage"] != metas[0]["stage"])
         raise MismatchError(f"rank captures mix stages {sorted(stages)} ({a.path}: {a.get('megatron')['stage']}, "
                             f"{b.path}: {b.get('megatron')['stage']}); merge one stage at a time")  # fmt: skip
+    check_stale(bundles)  # a rankNNNNN an earlier run left in the folder: named first
     check_one_run(bundles)
     stage = stages.pop()
     tp, pp, dp = _one(metas, "tp_size", "TP size"), _one(metas, "pp_size", "PP size"), _one(metas, "dp_size", "DP size")
