@@ -228,6 +228,7 @@ def test_tied_parameters_are_written(tmp_path):
     w = torch.randn(4, 3)
     with BundleWriter(tmp_path / "b", "capture") as bw:
         bw.add("weights", {"embed.weight": w, "lm_head.weight": w})
+        bw.add("grads", {"embed.weight": w, "lm_head.weight": w})
     b = Bundle(tmp_path / "b")
     assert torch.equal(b.load("weights", "embed.weight"), b.load("weights", "lm_head.weight"))
 
@@ -526,3 +527,15 @@ def test_overwrite_sigkilled_between_its_moves_keeps_the_old_bundle_or_the_new_o
     assert leftovers(truth) == []
     a, b = Bundle(truth), Bundle(oracle_bundle)
     assert all(torch.equal(a.load("grads", n), b.load("grads", n)) for n in b.names("grads"))
+
+
+def test_a_displaced_old_bundle_is_kept_when_its_name_now_holds_something_else(tmp_path):
+    """A dead writer's .NAME.old-* beside a NAME that is not a bundle (a folder made since): kept and named, never deleted."""
+    b = write(tmp_path / "b", 5.0)
+    old = signed(b, "old", dead_pid())
+    os.rename(b, old)
+    b.mkdir()
+    (b / "mine.txt").write_text("keep")
+    write(tmp_path / "c")
+    assert old.is_dir() and (b / "mine.txt").read_text() == "keep"
+    assert json.loads((old / "manifest.json").read_text())["loss"]["value"] == 5.0

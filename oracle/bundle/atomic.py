@@ -245,12 +245,22 @@ def sweep(parent: Path, only: str | None = None) -> list[str]:
             except OSError:
                 pass  # never delete an old bundle we could not put back
             continue
+        if info["what"] == "old" and not _is_bundle(final):
+            _say(f"{p} holds the previous {final.name}, displaced by an --overwrite that died; {final} is now not a "
+                 "bundle, so it was kept: move it back yourself if you want it")  # fmt: skip
+            continue
         try:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             done.append(f"removed {p.name}")
         except OSError:
             pass
     return done
+
+
+def _is_bundle(p: Path) -> bool:
+    from .manifest import looks_like_bundle  # the manifest's schema, only where a displaced bundle is about to go
+
+    return p.is_dir() and not p.is_symlink() and looks_like_bundle(p)
 
 
 def clean_stale(final: Path) -> list[str]:

@@ -335,6 +335,10 @@ class Bundle:
             temp = atomic.parse(self.path)
             if temp is not None and temp["signed"] == "yes":
                 raise BundleError(_temp_text(self.path, temp))
+            if self.path.name.startswith(".") and self.path.name.endswith(".partial") and (self.path / "header.json").is_file():
+                final = self.path.with_name(self.path.name[1 : -len(".partial")])
+                raise BundleError(f"{self.path} is not a bundle: it is the work folder of a streamed replay into {final} "
+                                  "that has not finished; rerun that replay (the same command) to resume and publish it")  # fmt: skip
             if not self.path.is_dir():
                 raise BundleError(f"{self.path} is a file, not a bundle directory")
             if not mpath.is_file():
