@@ -324,7 +324,9 @@ def test_a_config_describing_a_huge_model_is_refused_before_building_it(tmp_path
     b = tmp_path / "big"
     with BundleWriter(b, "capture") as w:  # a capture of the tiny model's shapes (values do not matter here)
         w.manifest.update(recipe={"name": "qwen3-vl", "config": TINY})
-        w.add("weights", {n: torch.zeros(s) for n, s in expected_shapes(r, TINY).items()})
+        shapes = expected_shapes(r, TINY)
+        w.add("weights", {n: torch.zeros(s) for n, s in shapes.items()})
+        w.add("grads", {n: torch.zeros(s) for n, s in list(shapes.items())[:1]})
         w.add("inputs", {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     edit_manifest(b, lambda m: m["recipe"]["config"]["text_config"].update(hidden_size=1_000_000))
     t0 = time.perf_counter()
