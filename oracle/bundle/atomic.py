@@ -1,30 +1,40 @@
 """Putting a finished directory in place without losing anything: the last step of every bundle write.
 
-A writer fills a sibling temporary directory ``.NAME.tmp-HOST-PID-TOKEN`` (the writer's host and
-pid are in the name, so that a later writer recognises the temporaries of dead writers and removes
-them), then publishes it under ``NAME`` with one of two moves:
+Every name a writer uses beside an output ``NAME`` is ``.NAME.WHAT-HOST-PID-RAND-MAC``: ``WHAT`` is
+``tmp`` (the bundle being written), ``old`` (a displaced old bundle, fallback only) or ``claim`` (this
+writer's claim on ``NAME`` for the whole run); ``MAC`` is an HMAC of the rest with this user's key
+(``signing.py``), so a folder of that shape made by another program is recognised as not ours and
+only named, never removed or moved. A writer holds an ``flock`` on each of its own folders while it
+lives; a signed folder nobody holds is a dead writer's: the next writer into the folder, or the next
+reader of ``NAME``, removes it (``tmp``, ``claim``) or moves it back under ``NAME`` (``old`` where
+``NAME`` is missing: an ``--overwrite`` killed between the fallback's two renames).
 
+* **claim** (``claim``, called before any work): one live claim per ``NAME``; a second writer, in
+  another process, is refused at once (OutputExists, exit 6), so of two concurrent writers exactly
+  one publishes, with or without ``--overwrite``. Child processes of the claimer (``--nproc`` ranks)
+  inherit the claim through ``ORACLE_CLAIMS``.
 * **new** (nothing at ``NAME``): ``renameat2(RENAME_NOREPLACE)``. If anything appeared at ``NAME``
-  meanwhile (a folder made by hand, another writer's bundle) the move fails and nothing is replaced.
+  meanwhile (a folder made by hand) the move fails and nothing is replaced.
 * **replace** (``--overwrite``, ``NAME`` is a bundle): ``renameat2(RENAME_EXCHANGE)`` swaps the two
   directories in one step, so ``NAME`` is the complete old bundle until it is the complete new one;
-  the old one, now under the temporary name, is then deleted. What was swapped out is checked to
-  be the bundle (or empty folder) that was approved; anything else is swapped back and kept.
+  the old one, now under the temporary name, is then deleted (killed before: the next run deletes
+  it). What was swapped out is checked to be the bundle (or empty folder) that was approved;
+  anything else is swapped back and kept.
 
 Both moves run under an exclusive ``flock`` on the parent directory, which serialises oracle writers
-of one folder for the duration of the check and the move (milliseconds), never of the write.
+and readers' recovery of one folder for the check and the move (milliseconds), never the write.
 
 Fallback, where ``renameat2`` or a flag is missing (not Linux, glibc < 2.28, a file system without
-the flag): under the same lock, **new** is ``os.rename`` after checking that ``NAME`` is absent (a
-folder created by a process other than an oracle writer in between could be replaced if empty; a
-non-empty one never is, POSIX rename refuses), and **replace** renames the old bundle to
-``.NAME.old-HOST-PID-TOKEN`` first and the new one into place second. If the writer dies between the
-two, the next writer of ``NAME`` (or :func:`clean_stale`) moves the old bundle back, so it is never
-lost, but for that moment ``NAME`` is absent.
+the flag): **new** is ``os.rename`` after checking that ``NAME`` is absent; **replace** renames the old
+bundle to ``.NAME.old-*`` first and the new one into place second. The old bundle is deleted only
+after the new one is in place. Killed between the two renames, ``NAME`` is absent until the next run
+of any oracle command that writes into the folder or reads ``NAME``: it moves the old bundle back
+(where it cannot, a read-only folder, it names it and the ``mv`` that restores it).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -34,8 +44,11 @@ import secrets
 import shutil
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from . import signing
 
 try:
     import fcntl
@@ -45,26 +58,52 @@ except ImportError:  # pragma: no cover - not POSIX: no lock, the moves alone
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|old)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$")
+_TEMP = re.compile(
+    r"^\.(?P<name>.+)\.(?P<what>tmp|old|claim)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})(?:-(?P<mac>[0-9a-f]{16}))?$"
+)
+CLAIMS_ENV = "ORACLE_CLAIMS"
+# test hooks (set by a test's child process only): called between the fallback's two renames, and after
+# the exchange before the swapped-out old bundle is deleted
+_between_renames: Callable[[], None] | None = None
+_after_exchange: Callable[[], None] | None = None
 
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
 
 
-_ACTIVE: set[str] = set()  # temporaries of this process still in use (a pid alone cannot tell, after pid reuse)
+def _sign(name: str, what: str, host: str, pid: str, token: str) -> str:
+    return signing.mac("oracle temporary", name, what, host, pid, token)[:16]
+
+
+_HELD: dict[str, int] = {}  # absolute path of our own temporaries -> the descriptor holding its flock
+
+
+def _hold(p: Path) -> None:
+    """Hold an flock on our folder ``p`` until :func:`release` (a kill releases it too)."""
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+    _HELD[str(p.absolute())] = fd
 
 
 def temp_name(final: Path, what: str = "tmp") -> Path:
-    """A sibling name for a writer's temporary (``tmp``) or displaced old bundle (``old``); in use
-    until :func:`release` is called with it."""
-    p = final.with_name(f".{final.name}.{what}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
-    _ACTIVE.add(p.name)
-    return p
+    """A signed sibling name for a writer's temporary (``tmp``), displaced old bundle (``old``) or claim."""
+    host, pid, token = _host(), str(os.getpid()), secrets.token_hex(4)
+    return final.with_name(f".{final.name}.{what}-{host}-{pid}-{token}-{_sign(final.name, what, host, pid, token)}")
 
 
 def release(p: Path) -> None:
-    _ACTIVE.discard(p.name)
+    fd = _HELD.pop(str(p.absolute()), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def umask() -> int:
@@ -128,33 +167,206 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def clean_stale(final: Path) -> list[str]:
-    """Remove temporaries of dead writers of ``final`` (this host only); put a displaced old bundle back
-    if ``final`` is missing. Returns what was done, for tests and logs."""
+def parse(p: Path) -> dict[str, str] | None:
+    """The parts of a writer's temporary name, with ``signed`` ("yes"/"no"), or None if ``p`` is not one."""
+    m = _TEMP.match(p.name)
+    if not m:
+        return None
+    d = m.groupdict()
+    ok = d["mac"] is not None and signing.same(d["mac"], _sign(d["name"], d["what"], d["host"], d["pid"], d["token"]))
+    return {**{k: v or "" for k, v in d.items()}, "signed": "yes" if ok else "no"}
+
+
+def _inherited(p: Path) -> bool:
+    return str(p.absolute()) in os.environ.get(CLAIMS_ENV, "").split(os.pathsep)
+
+
+def in_use(p: Path) -> bool:
+    """Whether a writer's folder ``p`` (this host's) is held by a live writer: ours, an ancestor's
+    claim we inherit, or another process's flock; without flock, its pid is alive."""
+    if str(p.absolute()) in _HELD or _inherited(p):
+        return True
+    info = parse(p)
+    if fcntl is None or p.is_symlink() or not p.is_dir():
+        return info is not None and _alive(int(info["pid"])) and int(info["pid"]) != os.getpid()
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return True  # cannot look: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a file system without flock: the pid tells
+        return info is not None and _alive(int(info["pid"])) and int(info["pid"]) != os.getpid()
+    finally:
+        os.close(fd)
+    return False
+
+
+_NAMED: set[str] = set()
+
+
+def _say(msg: str) -> None:
+    if msg not in _NAMED:
+        _NAMED.add(msg)
+        print(f"note: {msg}", file=sys.stderr, flush=True)
+
+
+def sweep(parent: Path, only: str | None = None) -> list[str]:
+    """The writers' folders in ``parent`` (of ``NAME == only`` if given): a signed one that no live writer
+    holds is removed (``tmp``, ``claim``) or moved back (``old`` where its ``NAME`` is missing, else
+    removed); one that is not signed by this user's oracle, or of another host, is named and left.
+    Call under :func:`dir_lock`. Returns what was done (for tests and logs)."""
     done: list[str] = []
     try:
-        entries = list(final.parent.iterdir())
+        entries = sorted(parent.iterdir())
     except OSError:
         return done
     host = _host()
     for p in entries:
-        m = _TEMP.match(p.name)
-        if not m or m["name"] != final.name or m["host"] != host:
+        info = parse(p)
+        if info is None or (only is not None and info["name"] != only):
             continue
-        pid = int(m["pid"])
-        if p.name in _ACTIVE or (pid != os.getpid() and _alive(pid)):
+        if info["signed"] != "yes":
+            _say(f"{p} is named like an oracle temporary but not signed by this user's oracle: left as it is "
+                 "(delete it yourself if it is yours)")  # fmt: skip
             continue
-        if m["what"] == "old" and not os.path.lexists(final):
-            try:  # the writer died between the fallback's two renames: the old bundle goes back
+        if info["host"] != host:
+            continue  # another host's writer: it may be alive; its own host cleans it
+        if in_use(p):
+            continue
+        final = p.with_name(info["name"])
+        if info["what"] == "old" and not os.path.lexists(final):
+            try:  # an --overwrite killed between the fallback's two renames: the old bundle goes back
                 if not rename2(p, final, RENAME_NOREPLACE):
                     os.rename(p, final)
                 done.append(f"restored {p.name}")
             except OSError:
                 pass  # never delete an old bundle we could not put back
             continue
-        shutil.rmtree(p, ignore_errors=True)
-        done.append(f"removed {p.name}")
+        if info["what"] == "old" and not _is_bundle(final):
+            _say(f"{p} holds the previous {final.name}, displaced by an --overwrite that died; {final} is now not a "
+                 "bundle, so it was kept: move it back yourself if you want it")  # fmt: skip
+            continue
+        try:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            done.append(f"removed {p.name}")
+        except OSError:
+            pass
     return done
+
+
+def _is_bundle(p: Path) -> bool:
+    from .manifest import looks_like_bundle  # the manifest's schema, only where a displaced bundle is about to go
+
+    return p.is_dir() and not p.is_symlink() and looks_like_bundle(p)
+
+
+def clean_stale(final: Path) -> list[str]:
+    """:func:`sweep` of the writers' folders of ``final`` alone (under the folder's lock where it can be taken)."""
+    try:
+        with dir_lock(final.parent):
+            return sweep(final.parent, final.name)
+    except OSError:
+        return sweep(final.parent, final.name)
+
+
+def displaced(final: Path) -> list[Path]:
+    """Signed ``.NAME.old-*`` folders beside a missing ``final``: what an interrupted --overwrite left."""
+    try:
+        return sorted(p for p in final.parent.iterdir() if (i := parse(p)) and i["name"] == final.name
+                      and i["what"] == "old" and i["signed"] == "yes")  # fmt: skip
+    except OSError:
+        return []
+
+
+def recover(final: Path) -> list[Path]:
+    """A reader's recovery of a missing ``final``: move back a displaced old bundle (see :func:`sweep`).
+    Returns the displaced folders still there (that could not be moved back: read-only, another host)."""
+    if os.path.lexists(final) or not displaced(final):
+        return []
+    try:
+        with dir_lock(final.parent):
+            for line in sweep(final.parent, final.name):
+                if line.startswith("restored"):
+                    _say(f"{final} was restored from {line.split()[1]}: an --overwrite of it was killed before the new bundle was in place")  # fmt: skip
+    except OSError:
+        pass
+    return [] if os.path.lexists(final) else displaced(final)
+
+
+# -- claims: one live writer per NAME ----------------------------------------------------------
+_CLAIMS: dict[str, Path] = {}
+_CLAIM_LOCK = threading.RLock()
+
+
+def _drop_claims() -> None:
+    for k in list(_CLAIMS):
+        unclaim(Path(k))
+
+
+atexit.register(_drop_claims)
+
+
+def rivals(final: Path) -> list[Path]:
+    """Live claims and temporaries of ``final`` held by other writers (this host)."""
+    out = []
+    try:
+        entries = sorted(final.parent.iterdir())
+    except OSError:
+        return out
+    for p in entries:
+        info = parse(p)
+        if info and info["name"] == final.name and info["what"] in ("tmp", "claim") and info["signed"] == "yes" \
+                and info["host"] == _host() and str(p.absolute()) not in _HELD and not _inherited(p) and in_use(p):  # fmt: skip
+            out.append(p)
+    return out
+
+
+def claim(final: Path) -> None:
+    """Claim ``final`` for this process until :func:`unclaim` (or exit): FileExistsError naming the
+    other writer if a live one holds it. Reentrant; children inherit it through ``ORACLE_CLAIMS``."""
+    k = str(final.absolute())
+    with _CLAIM_LOCK, dir_lock(final.parent):
+        if k in _CLAIMS:
+            return
+        sweep(final.parent)
+        other = rivals(final)
+        if other:
+            info = parse(other[0]) or {}
+            raise FileExistsError(errno.EEXIST, f"is being written by another oracle process now (pid {info.get('pid')} "
+                                  f"on {info.get('host')}, {other[0].name})", str(final))  # fmt: skip
+        p = temp_name(final, "claim")
+        os.mkdir(p)
+        _hold(p)
+        _CLAIMS[k] = p
+        os.environ[CLAIMS_ENV] = os.pathsep.join(filter(None, [os.environ.get(CLAIMS_ENV, ""), str(p.absolute())]))
+
+
+def unclaim(final: Path) -> None:
+    with _CLAIM_LOCK:
+        p = _CLAIMS.pop(str(final.absolute()), None)
+        if p is None:
+            return
+        release(p)
+        with contextlib.suppress(OSError):
+            os.rmdir(p)
+    rest = [c for c in os.environ.get(CLAIMS_ENV, "").split(os.pathsep) if c and c != str(p.absolute())]
+    if rest:
+        os.environ[CLAIMS_ENV] = os.pathsep.join(rest)
+    else:
+        os.environ.pop(CLAIMS_ENV, None)
+
+
+def make_temp(final: Path) -> Path:
+    """Create and hold the writer's temporary folder of ``final`` (0777 less the umask)."""
+    with dir_lock(final.parent):
+        sweep(final.parent)
+        tmp = temp_name(final)
+        os.mkdir(tmp)
+        _hold(tmp)
+    return tmp
 
 
 def publish(tmp: Path, final: Path, *, replace: Callable[[Path], str | None] | None) -> None:
@@ -166,7 +378,7 @@ def publish(tmp: Path, final: Path, *, replace: Callable[[Path], str | None] | N
     for the caller to remove.
     """
     with dir_lock(final.parent):
-        clean_stale(final)
+        sweep(final.parent, final.name)
         if not os.path.lexists(final):
             if rename2(tmp, final, RENAME_NOREPLACE):
                 return
@@ -185,10 +397,24 @@ def publish(tmp: Path, final: Path, *, replace: Callable[[Path], str | None] | N
             if why is not None:
                 rename2(tmp, final, RENAME_EXCHANGE)
                 raise FileExistsError(errno.EEXIST, why, str(final))
+            if _after_exchange is not None:
+                _after_exchange()
             shutil.rmtree(tmp, ignore_errors=True)
             return
         old = temp_name(final, "old")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        release(old)
+        fd = os.open(final, os.O_RDONLY)  # its flock travels with it: a live writer's old is never restored
+        try:
+            if fcntl is not None:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(final, old)
+            if _between_renames is not None:
+                _between_renames()
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)  # the old bundle goes back at once
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            os.close(fd)

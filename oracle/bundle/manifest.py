@@ -171,11 +171,31 @@ class Manifest(_Model):
                     raise ValueError(
                         f"{len(bad)} gradient(s) in '{group}' have another shape than their weight: {', '.join(bad[:3])}"
                     )
+        if self.kind == "capture" and not self.tensors.get("grads"):
+            raise ValueError("a capture needs its gradients: the 'grads' group is missing or empty (nothing to score); "
+                             "capture the step again after the backward")  # fmt: skip
         if self.kind == "emulation":
             missing = [g for g in ["grads"] + [f"grads.{k}" for k in range(1, self.members or 1)] if g not in self.tensors]
             if missing:
                 raise ValueError(f"an emulation bundle of {self.members or 1} member(s) needs the groups {missing}")
         return self
+
+
+STATED = ("recipe", "precision", "loss")  # every writer of a capture states them (null: known not to be known)
+
+
+def missing_fields(manifest: dict[str, Any]) -> list[str]:
+    """What a capture's manifest leaves unsaid, each with what it costs: a field absent (an edited or
+    foreign manifest; every writer states it, null where it is not known), or a precision not given."""
+    if manifest.get("kind") != "capture":
+        return []
+    why = {"recipe": "the model it belongs to is unknown (replay needs it)",
+           "precision": "its band and tolerance cannot be chosen",
+           "loss": "the replayed loss cannot be checked against the device's"}  # fmt: skip
+    out = [f"'{f}' is missing: {why[f]}" for f in STATED if f not in manifest]
+    if "precision" in manifest and not manifest["precision"]:
+        out.append(f"'precision' is not given: {why['precision']}")
+    return out
 
 
 def parse_json(raw: bytes, where: str, what: str = "the bundle is damaged, write it again") -> Any:

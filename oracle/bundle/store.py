@@ -118,16 +118,25 @@ def _replaceable(p: Path) -> str | None:
 
 
 def check_output(path: str | os.PathLike, overwrite: bool) -> None:
-    """Refuse an output that exists (without ``overwrite``) or may not be replaced, before any work
-    is spent on it; the final move checks again (a folder may appear meanwhile)."""
+    """Refuse an output that exists (without ``overwrite``), may not be replaced, or that another oracle
+    process is writing now (atomic.claim: one live writer per name), before any work is spent on it;
+    the final move checks again (a folder may appear meanwhile). The claim lasts until the bundle is
+    published (BundleWriter) or this process ends."""
     path = Path(path)
-    if not os.path.lexists(path):
-        return
-    if not overwrite:
-        raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite")
-    why = _replaceable(path)
-    if why:
-        raise OutputExists(f"output {path} {why}")
+    if os.path.lexists(path):
+        if not overwrite:
+            raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite")
+        why = _replaceable(path)
+        if why:
+            raise OutputExists(f"output {path} {why}")
+    if path.parent.is_dir() and os.environ.get("RANK", "0") in ("", "0"):  # ranks > 0 of a distributed run never publish
+        try:
+            atomic.claim(path)
+        except FileExistsError as e:
+            raise OutputExists(f"output {path} {e.strerror}; nothing was written: wait for it to finish or choose "
+                               "another --out") from None  # fmt: skip
+        except OSError as e:
+            raise OutputError(f"cannot write the output {path}: {e.strerror or e} ({e.filename or path.parent})") from None
 
 
 class BundleWriter:
@@ -153,10 +162,15 @@ class BundleWriter:
             raise OutputError(f"cannot write the bundle {self.path}: {blocker} is a file, not a directory")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic.clean_stale(self.path)
-            tmp = atomic.temp_name(self.path)
-            os.mkdir(tmp)  # 0777 less the umask
         except OSError as e:
+            raise OutputError(
+                f"cannot write the bundle {self.path}: {e.strerror or e} ({e.filename or self.path.parent})"
+            ) from None
+        check_output(self.path, self.overwrite)  # claims the name (now that its folder exists)
+        try:
+            tmp = atomic.make_temp(self.path)  # 0777 less the umask
+        except OSError as e:
+            atomic.unclaim(self.path)
             raise OutputError(
                 f"cannot write the bundle {self.path}: {e.strerror or e} ({e.filename or self.path.parent})"
             ) from None
@@ -246,8 +260,9 @@ class BundleWriter:
             if exc_type is None:
                 self._finish()
         finally:
-            shutil.rmtree(self._tmp, ignore_errors=True)  # gone after a publish; the debris after an error
             atomic.release(self._tmp)
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone after a publish; the debris after an error
+            atomic.unclaim(self.path)
 
     def _finish(self) -> None:
         tmp = self._tmp
@@ -275,6 +290,23 @@ class BundleWriter:
             raise OutputError(f"cannot write the bundle {self.path}: {e.strerror or e}") from None
 
 
+def _temp_text(p: Path, info: dict[str, str]) -> str:
+    """What one of this tool's writer folders is, for a user who gives it as a bundle."""
+    final = p.with_name(info["name"])
+    who = f"writer pid {info['pid']} on {info['host']}"
+    live = atomic.in_use(p) if info["host"] == atomic._host() else None
+    state = "still running" if live else ("no longer running" if live is False else "on another host")
+    if info["what"] == "old":
+        return (f"{p} is not a bundle to use: it is the previous {final.name}, moved aside by an --overwrite ({who}, "
+                f"{state}); give {final} instead (any oracle command reading {final} moves it back if the new one "
+                "never arrived)")  # fmt: skip
+    if info["what"] == "claim":
+        return f"{p} is not a bundle: it is the claim of an oracle writer of {final} ({who}, {state}); give {final}"
+    return (f"{p} is not a bundle: it is the unfinished temporary folder of an oracle writer of {final} ({who}, {state}); "
+            f"it is incomplete and is removed by the next oracle run writing into {p.parent}; rerun the command that "
+            f"writes {final}")  # fmt: skip
+
+
 def _inside(root: Path, p: Path) -> bool:
     try:
         p.resolve().relative_to(root)
@@ -291,7 +323,22 @@ class Bundle:
         mpath = self.path / MANIFEST
         try:
             if not self.path.exists():
-                raise InputNotFound(f"bundle {self.path} does not exist")
+                left = atomic.recover(self.path)  # an --overwrite killed between the fallback's two renames
+                if left:
+                    raise InputNotFound(
+                        f"bundle {self.path} does not exist: an --overwrite of it was killed before the new bundle was in "
+                        f"place, and the previous bundle, kept at {left[-1]}, could not be moved back here; move it "
+                        f"back yourself: mv '{left[-1]}' '{self.path}'"
+                    )
+                if not self.path.exists():
+                    raise InputNotFound(f"bundle {self.path} does not exist")
+            temp = atomic.parse(self.path)
+            if temp is not None and temp["signed"] == "yes":
+                raise BundleError(_temp_text(self.path, temp))
+            if self.path.name.startswith(".") and self.path.name.endswith(".partial") and (self.path / "header.json").is_file():
+                final = self.path.with_name(self.path.name[1 : -len(".partial")])
+                raise BundleError(f"{self.path} is not a bundle: it is the work folder of a streamed replay into {final} "
+                                  "that has not finished; rerun that replay (the same command) to resume and publish it")  # fmt: skip
             if not self.path.is_dir():
                 raise BundleError(f"{self.path} is a file, not a bundle directory")
             if not mpath.is_file():

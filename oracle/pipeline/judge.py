@@ -16,7 +16,7 @@ Stages, each reused when its inputs are unchanged (``stages.py``):
 
 from __future__ import annotations
 
-import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -30,7 +30,8 @@ from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
 from . import answers as answers_mod
-from .stages import Progress, Stages, duration, fingerprint
+from . import workfolder
+from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = 4
 # The fixed cost of one replay pass beyond its FLOPs (seconds): building the recipe's model, the
@@ -248,8 +249,8 @@ class Judge:
     @staticmethod
     def precisions(caps: list[Bundle]) -> list[str]:
         out = []
-        for c in caps:
-            p = c.get("precision") or "fp32"
+        for c in caps:  # a capture that does not say its precision gets no band (its verdict: incomplete)
+            p = c.get("precision")
             if p in CAPTURE_NAMES and p not in out:
                 out.append(p)
         return out
@@ -319,30 +320,17 @@ class Judge:
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """The stages; a judge stopped before any stage wrote anything (a refusal: another step,
-        exit 5) leaves no empty ``--out`` folder behind that it created."""
+        exit 5) leaves no ``--out`` folder behind that it created."""
         created = not self.out.exists()
         try:
             return self._run()
         except BaseException:
-            if created and self.out.is_dir() and not any(self.out.iterdir()):
-                self.out.rmdir()
+            if created and self.out.is_dir() and all(p.name == workfolder.MARK for p in self.out.iterdir()):
+                shutil.rmtree(self.out, ignore_errors=True)
             raise
 
     def _run(self) -> dict[str, Any]:
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            from ..errors import OutputError
-
-            raise OutputError(f"cannot create the work folder {self.out}: {e.strerror or e}") from None
-        probe = self.out / f".write-test-{os.getpid()}"
-        try:
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            from ..errors import OutputError
-
-            raise OutputError(f"cannot write into the work folder {self.out}: {e.strerror or e}") from None
+        workfolder.open_out(self.out)
         # the bands' precisions are known before merging: a merge keeps its ranks' precision
         precs = []
         for k, p in self.inputs:
@@ -409,7 +397,7 @@ class Judge:
         for (k, p), cp, c, n in zip(self.inputs, caps_p, caps, self.names):
             runs.append({"name": n, "input": str(p), "input_kind": "megatron rank folder" if k == "ranks" else "capture bundle",
                          "capture": str(cp), "precision": c.get("precision"), "modules": bool(c.get("modules")),
-                         "num_tokens": (c.get("loss") or {}).get("num_tokens"), "fingerprint": fingerprint(cp)})  # fmt: skip
+                         "num_tokens": (c.get("loss") or {}).get("num_tokens"), "fingerprint": manifest_fingerprint(cp)})  # fmt: skip
         t0 = progress.start("report", "write the report (text, JSON, HTML)")
         doc = answers_mod.build(result, runs, local=local, explained=explained, logs=logs)
         doc["stages"] = order

@@ -6,8 +6,9 @@ once that output is complete, a key file beside it: ``.NAME.key`` holding the st
     key = sha256(json({stage name, its parameters, the fingerprints of its inputs}))
 
 where an input bundle's fingerprint is the sha256 of its ``manifest.json`` (the manifest lists the
-sha256 of every tensor file, so it changes whenever any stored byte does), a folder of rank bundles
-the sha256 of their manifests in name order, and a log the sha256 of its bytes. A stage whose key
+sha256 of every tensor, so it changes with any rewrite by a writer) and of the name, size, mtime and
+inode of each of its tensor files (so that a file edited in place, the manifest untouched, changes it
+too), a folder of rank bundles the same over its bundles in name order, and a log the sha256 of its bytes. A stage whose key
 file matches and whose output is there is reused, not recomputed; otherwise its output is replaced
 (it lies in the job's own work folder). The key file is written after the output, atomically, so a
 job killed inside a stage recomputes that stage, and the streamed replay inside it resumes from its
@@ -37,16 +38,36 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def _files_state(folder: Path) -> str:
+    """Name, size, mtime (ns) and inode of every tensor file of a bundle folder: an edit in place that
+    leaves the manifest as it was still changes the key (hashing the bytes would read gigabytes)."""
+    rows = []
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        rows.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def manifest_fingerprint(path: str | Path) -> str:
+    """sha256 of a bundle's manifest alone: what the report names a run's capture by (the same for
+    copies of one bundle, wherever they lie)."""
+    return file_sha256(Path(path) / "manifest.json")
+
+
 def fingerprint(path: str | Path) -> str:
-    """sha256 of a bundle's manifest, of a folder's bundle manifests (in name order), or of a file."""
+    """sha256 of a bundle's manifest and the state of its files, of a folder's bundles (in name
+    order), or of a file's bytes."""
     p = Path(path)
     if p.is_file():
         return file_sha256(p)
     if (p / "manifest.json").is_file():
-        return file_sha256(p / "manifest.json")
+        return hashlib.sha256((file_sha256(p / "manifest.json") + _files_state(p)).encode()).hexdigest()
     h = hashlib.sha256()
     for m in sorted(p.rglob("manifest.json")):
-        h.update(str(m.relative_to(p)).encode() + b"\0" + file_sha256(m).encode())
+        h.update(str(m.relative_to(p)).encode() + b"\0" + file_sha256(m).encode() + _files_state(m.parent).encode())
     return h.hexdigest()
 
 

@@ -20,6 +20,7 @@ gradient sets are the groups ``grads``, ``grads.1``, ... of one ``emulation`` bu
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def replay(
         raise NotReplayable(f"{cap.path} holds no inputs (an msprobe import or its merge): it can only be scored against "
                             "an oracle of the same step; capture the step with the Megatron hook or oracle.Capture to replay it")  # fmt: skip
     check_inputs(cap)  # the inputs boundary (oracle/replay/inputs.py): before any replay path runs
+    if cap.kind == "capture" and (cap.get("loss") or {}).get("value") is None:
+        why = "its manifest has no 'loss'" if "loss" not in cap.manifest else "its loss was not recorded (null)"
+        print(f"note: {cap.path} records no loss ({why}): the replayed loss cannot be checked against the device's; "
+              "the gradients are replayed and scored as usual", file=sys.stderr, flush=True)  # fmt: skip
     t0 = time.perf_counter()
     base = {
         "recipe": cap.get("recipe"),

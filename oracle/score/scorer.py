@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import recipe as recipes
+from ..bundle.manifest import missing_fields
 from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale, tensor_metrics
@@ -212,6 +213,7 @@ def score(
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
         c["coverage"] = _coverage(plan, pnames)
         _judge_coverage(c, oracle_nonfinite)
+        _judge_manifest(c, missing_fields(plan["bundle"].manifest))
     out = {
         "oracle": _oracle_info(oracle, oracle_nonfinite),
         "margin": margin,
@@ -272,6 +274,19 @@ def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
         v["text"] = f"{head}INCOMPLETE: {line}; of what it covers: {checked}"
     elif cov["missing"] or cov["extra"] or cov["norms_only"] or cov["framework_apart"]:
         v["text"] += f" [{line}]"
+
+
+def _judge_manifest(c: dict[str, Any], missing: list[str]) -> None:
+    """A capture whose manifest leaves a field unsaid (manifest.missing_fields) is ``incomplete``, the
+    reason first; the class of what was checked stays in ``checked_class``."""
+    c["manifest_missing"] = missing
+    if not missing or c["verdict"]["class"] == ORACLE_NONFINITE:
+        return
+    v = c["verdict"]
+    head = f"{c['name']} ({c['precision']}): "
+    rest = v["text"].removeprefix(head).removeprefix("INCOMPLETE: ")
+    v["class"] = INCOMPLETE
+    v["text"] = f"{head}INCOMPLETE: its manifest {'; '.join(missing)}; of what was checked: {rest}"
 
 
 def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:

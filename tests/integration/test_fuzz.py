@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from oracle.bundle.store import Bundle, BundleWriter
-from oracle.errors import EXIT_CODES, OracleError
+from oracle.errors import EXIT_CODES, BundleError, OracleError
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
@@ -356,6 +356,11 @@ def test_no_within_noise_for_gradients_not_checked(fp32_capture, oracle_bundle, 
             if group == "grads":
                 tensors = {n: tensors[n] for n in held} | ({"foreign.weight": torch.ones(2)} if extra else {})
             w.add(group, tensors)
+    if not held and not extra:  # no gradient at all: refused at the boundary (exit 4), never scored
+        with pytest.raises(BundleError, match="a capture needs its gradients"):
+            score(oracle_bundle, [dst])
+        event("no gradients, exit 4")
+        return
     c = score(oracle_bundle, [dst])["captures"][0]
     assert c["verdict"]["class"] == "incomplete"
     assert sorted(c["coverage"]["missing"]) == sorted(set(names) - set(held))

@@ -392,3 +392,88 @@ def test_the_framework_findings_name_a_loss_convention_and_unreduced_partial_sum
     assert any(finding in f for f in born["NPU"]["framework"]), born["NPU"]["framework"]
     assert not born["H20"]["framework"]
     assert finding in res.stdout
+
+
+# -- kills anywhere, foreign --out folders, inputs changed in place (issue 30) ---------------------
+KILLS = [("merge-NPU: merge", 0.3), ("truth: replay", 0.5), ("truth: done", 0.0), ("score: score", 0.0),
+         ("report: write", 0.0)]  # fmt: skip
+
+
+def _leftovers(work: Path) -> list[str]:
+    """What a killed judge may leave and a finished rerun must not: writers' temporaries, claims,
+    displaced bundles, a streamed replay's work folder, a key/document/report file being written."""
+    return sorted(str(p.relative_to(work)) for p in work.rglob(".*")
+                  if any(k in p.name for k in (".tmp-", ".old-", ".claim-", ".partial")))  # fmt: skip
+
+
+def test_judge_killed_at_each_stage_boundary_then_rerun_ends_with_the_same_report_and_no_leftovers(runs, judged, tmp_path):
+    """SIGKILL inside a merge, inside the streamed truth, right after the truth, as the score starts and as the
+    report is written (each run is killed at the first of these moments still ahead, so a stage that finished
+    faster than the delay is not waited for); each rerun resumes where the last one stopped; the last one ends
+    with the report of an uninterrupted run and nothing of the killed runs is left in the folder."""
+    import time
+
+    work, i, killed = tmp_path / "work", 0, []
+    while i < len(KILLS):
+        p = subprocess.Popen(_cmd(runs, work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO)
+        hit, seen = None, []
+        for line in p.stderr:
+            seen.append(line)
+            hit = next((k for k in range(i, len(KILLS)) if KILLS[k][0] in line), None)
+            if hit is not None:
+                time.sleep(KILLS[hit][1])
+                p.send_signal(signal.SIGKILL)
+                break
+        p.wait(timeout=300)
+        if hit is None or p.returncode == 0:  # the run ended before the moment came
+            break
+        assert p.returncode == -signal.SIGKILL, "".join(seen)
+        assert not (work / "report" / "judge.json").exists()
+        killed.append(KILLS[hit][0])
+        i = hit + 1
+    assert len(killed) >= 4, killed
+    again = subprocess.run(_cmd(runs, work), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert again.returncode == 0, again.stderr
+    for stage in ("merge-H20", "merge-NPU", "truth", "band-fp32", "score"):
+        assert f"{stage}: reused (inputs unchanged)" in again.stderr, again.stderr
+    assert _report(work) == _report(judged[0])
+    assert _leftovers(work) == []
+
+
+def test_judge_out_onto_a_capture_or_a_user_folder_is_refused_and_nothing_touched(runs, tmp_path):
+    """--out naming a capture bundle, a folder of the user's files, or a file: exit 6, nothing written there."""
+    cap = tmp_path / "cap"
+    shutil.copytree(next(p for p in sorted((runs / "h20" / "pre").iterdir()) if (p / "manifest.json").is_file()), cap)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out, said in ((cap, "it is a bundle"), (mine, "not a judge work folder of this tool (notes.txt)"), (afile, "not a folder")):
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) if out.is_dir() else afile.read_text()
+        res = subprocess.run(_cmd(runs, out), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+        assert res.returncode == 6 and said in res.stderr and "Traceback" not in res.stderr, res.stderr
+        after = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) if out.is_dir() else afile.read_text()
+        assert after == before
+
+
+def test_a_stage_is_never_reused_after_an_input_changed_in_place(runs, judged, tmp_path):
+    """A rank file of run B rewritten in place (its manifest untouched): the rerun does not reuse the merge,
+    the truth or the score; the changed bytes are found (exit 4), never reported from the old work."""
+    src = tmp_path / "runs"
+    for r in ("h20", "npu"):
+        shutil.copytree(runs / r / "pre", src / r / "pre")
+    work = tmp_path / "work"
+    shutil.copytree(judged[0], work)
+    cmd = [sys.executable, "-m", "oracle", "judge", str(src / "h20" / "pre"), str(src / "npu" / "pre"), "--out", str(work),
+           "--max-memory", "1G", *ARGS]  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert first.returncode == 0, first.stderr
+    grads = next((src / "npu" / "pre").rglob("grads*.safetensors"))
+    data = bytearray(grads.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last gradient value, the file's size unchanged
+    with open(grads, "r+b") as f:
+        f.write(data)
+    again = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert "merge-NPU: reused" not in again.stderr and again.returncode == 4, again.stderr
+    assert "does not match its sha256" in again.stderr

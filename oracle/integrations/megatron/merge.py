@@ -59,6 +59,7 @@ from .names import NameMap, strip_wrappers
 from .packing import packed_inputs
 from .replicas import finding_text, reduce_replicas
 from .runinfo import IGNORE, LABEL_SHIFTS
+from .stale import check_stale
 
 POST_AGREEMENT = 1e-5  # post-finalize copies of a replicated gradient must agree to this (relative)
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\.)")
@@ -197,6 +198,7 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
         b = next(b for b, m in zip(bundles, metas) if m["stage"] != metas[0]["stage"])
         raise MismatchError(f"rank captures mix stages {sorted(stages)} ({a.path}: {a.get('megatron')['stage']}, "
                             f"{b.path}: {b.get('megatron')['stage']}); merge one stage at a time")  # fmt: skip
+    check_stale(bundles)  # a rankNNNNN an earlier run left in the folder: named first
     check_one_run(bundles)
     stage = stages.pop()
     tp, pp, dp = _one(metas, "tp_size", "TP size"), _one(metas, "pp_size", "PP size"), _one(metas, "dp_size", "DP size")

@@ -38,35 +38,21 @@ from typing import Any
 
 from safetensors import safe_open
 
+from ...bundle import atomic, signing
 from ...bundle.store import tensor_sha256
-from ...errors import OutputExists
+from ...errors import OutputError, OutputExists
 
 MADE_BY = "oracle streaming replay work folder"
 HEADER, JOURNAL, END = "header.json", "journal.jsonl", "end.json"
 FILE_NAME = re.compile(r"(shard-\d{5}|gin-[0-9a-f]{12}-\d{1,9})\.safetensors")
-UNKEYED = b"oracle-work-folder-unkeyed"
-_KEY: bytes | None = None
 
 
 def key() -> bytes:
-    """This user's signing key, made on first use (0600, exclusive create: two first runs agree)."""
-    global _KEY
-    if _KEY is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oracle"
-        path = root / "work.key"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(secrets.token_bytes(32))
-            except FileExistsError:
-                pass
-            k = path.read_bytes()
-            _KEY = k if len(k) == 32 else UNKEYED
-        except OSError:
-            _KEY = UNKEYED
-    return _KEY
+    """This user's signing key (``bundle/signing.py``); ``_KEY`` set here overrides it (tests)."""
+    return _KEY if _KEY is not None else signing.key()
+
+
+_KEY: bytes | None = None
 
 
 def _mac(*parts: Any) -> str:
@@ -74,9 +60,7 @@ def _mac(*parts: Any) -> str:
     return hmac.new(key(), msg, hashlib.sha256).hexdigest()
 
 
-def _same(got: str, want: str) -> bool:
-    """Constant-time comparison of a MAC read from a file (any text, non-ASCII included) with ours."""
-    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want.encode())
+_same = signing.same
 
 
 def _read_json(path: Path) -> Any:
@@ -104,7 +88,7 @@ def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> 
     an existing one is adopted only if its header verifies and describes this run, else OutputExists."""
     work = out.parent / f".{out.name}.partial"
     want = {"made_by": MADE_BY, **header}
-    if work.exists() or work.is_symlink():
+    if (work.exists() or work.is_symlink()) and not _empty_dir(work):
         have = _signed(_read_json(work / HEADER)) if work.is_dir() and not work.is_symlink() else None
         if have is not None and {k: v for k, v in have.items() if k != "nonce"} == want:
             _NONCES[str(work.resolve())] = have["nonce"]
@@ -117,13 +101,40 @@ def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> 
             fix = ("rerun the command that made it to resume, pass --overwrite to replace it, or delete it"
                    if have is not None else "if it is not yours to keep, delete or move it yourself; or choose another --out")  # fmt: skip
             raise OutputExists(f"work folder {work} exists and was left as it is: {why}; {fix}")
-    work.mkdir(parents=True)
     body = {**want, "nonce": secrets.token_hex(16)}
+    try:
+        _make(work, body)
+    except OSError as e:
+        raise OutputError(f"cannot make the work folder {work}: {e.strerror or e} ({e.filename or work.parent})") from None
     _NONCES[str(work.resolve())] = body["nonce"]
-    tmp = work / f".{HEADER}.tmp"
-    tmp.write_text(json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
-    os.replace(tmp, work / HEADER)
     return work, False
+
+
+def _empty_dir(p: Path) -> bool:
+    try:
+        return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+    except OSError:
+        return False
+
+
+def _make(work: Path, body: dict[str, Any]) -> None:
+    """The work folder with its signed header, in one move: made as a signed temporary of the writer
+    (atomic.py; a kill before the move leaves one the next writer removes), then renamed into place.
+    An empty folder at ``work`` (nothing in it to lose) is taken."""
+    work.parent.mkdir(parents=True, exist_ok=True)
+    if _empty_dir(work):
+        work.rmdir()
+    tmp = atomic.make_temp(work)
+    try:
+        (tmp / HEADER).write_text(json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
+        with atomic.dir_lock(work.parent):
+            if os.path.lexists(work):
+                raise OutputExists(f"work folder {work} appeared while this run made its own; it was left as it is")
+            if not atomic.rename2(tmp, work, atomic.RENAME_NOREPLACE):
+                os.rename(tmp, work)
+    finally:
+        atomic.release(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _NONCES: dict[str, str] = {}
