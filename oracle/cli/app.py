@@ -384,49 +384,12 @@ def rank_view_cmd(
 
     Example: oracle rank-view truth.bundle --rank 0 --log h20_rank0.log --log 910b_rank0.log --name H20 --name 910B
     """
-    from oracle.bundle.store import Bundle
-    from oracle.integrations.megatron.rankview import compare_logs as compare_view_logs
-    from oracle.integrations.megatron.rankview import compare_rank, rank_view, recorded_layout
-    from oracle.report.outputs import check_file, writing
+    from oracle.api.rankview import RankViewOptions, rank_view
 
-    check_file(json_out, "--json")
-    st = stage.value if stage is not None else None
-    warnings: list[str] = []
-    view = rank_view(oracle, rank=rank, pp_rank=pp_rank, tp_size=tp, sequence_parallel=sp, stage=st,
-                     calculate_per_token_loss=per_token_loss, seq_len_padded=seq_len_padded, warnings=warnings)  # fmt: skip
-    lay, _ = recorded_layout(Bundle(oracle), tp_size=tp, sequence_parallel=sp, stage=st, calculate_per_token_loss=per_token_loss)
-    for wmsg in warnings:
-        typer.echo(f"warning: {wmsg}", err=True)
-    loss = "per-token (sum before finalize)" if lay["calculate_per_token_loss"] else "mean"
-    typer.echo(f"rank view: TP={lay['tp_size']}{' SP' if lay['sequence_parallel'] else ''} rank {rank}, stage {pp_rank} of PP "
-               f"{lay['pp_size']}, {lay['stage']}, {loss} loss: {len(view)} gradients")  # fmt: skip
-    doc = {"layout": lay, "rank": rank, "pp_rank": pp_rank, "warnings": warnings, "compare": {}, "logs": None}
-    for b in compare or []:
-        errs = compare_rank(view, b)
-        doc["compare"][str(b)] = errs
-        if not errs:
-            typer.echo(f"  {b}: no gradient in common with the view")
-            continue
-        worst = max(errs, key=errs.get)
-        typer.echo(f"  {b}: {len(errs)} gradients, max rel L2 {errs[worst]:.2e} ({worst})")
-        w = max(len(n) for n in errs)
-        typer.echo(f"    {'parameter':<{w}} {'rel L2':>9}")
-        for n in sorted(errs):
-            typer.echo(f"    {n:<{w}} {errs[n]:>9.2e}")
-    if logs:
-        from oracle.integrations import normlog
-        from oracle.integrations.megatron.rankview import log_rows
-
-        parsed = [normlog.parse(p, occurrence=occurrence) for p in logs]
-        labels = name or [p.stem for p in logs]
-        typer.echo(compare_view_logs(view, parsed, labels))
-        doc["logs"] = log_rows(view, parsed, labels)
-    if json_out:
-        from oracle.bundle.jsonio import write_json
-
-        with writing("--json", json_out):
-            write_json(doc, json_out)
-        typer.echo(f"json: {json_out}")
+    opts = RankViewOptions(oracle=oracle, rank=rank, pp_rank=pp_rank, tp=tp, sp=sp, stage=stage.value if stage else None,
+                           per_token_loss=per_token_loss, seq_len_padded=seq_len_padded, compare=tuple(compare or ()),
+                           logs=tuple(logs or ()), names=name, occurrence=occurrence, json_out=json_out)  # fmt: skip
+    rank_view(opts, echo=typer.echo, warn=lambda s: typer.echo(s, err=True))
 
 
 @app.command("import-msprobe")

@@ -190,3 +190,30 @@ def test_benchmarks_and_the_code_they_run_in_children_import_what_exists():
                         missing.append(f"{path.name}: {module}.{n}")
     assert seen > 20, seen  # the walk found the benchmarks' imports (strings included)
     assert not missing, missing
+
+
+def _argv_reads(tree: ast.AST) -> list[int]:
+    """Lines reading sys.argv / sys.orig_argv outside an ``if __name__ == "__main__":`` block."""
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            guarded |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in ("argv", "orig_argv") and ast.unparse(n.value) == "sys"
+            and n.lineno not in guarded]  # fmt: skip
+
+
+def test_no_engine_module_reads_the_command_line_or_rebuilds_one():
+    """Only the CLI (oracle/cli/, oracle/__main__.py) and __main__ blocks read sys.argv; no engine module
+    starts `python -m oracle <command>` (ranks get JSON options through oracle.api.worker)."""
+    offenders = []
+    for mod, path in _modules().items():
+        if mod.startswith("oracle.cli") or mod == "oracle.__main__":
+            continue
+        text = path.read_text()
+        offenders += [f"{path.relative_to(ROOT)}:{ln} reads sys.argv" for ln in _argv_reads(ast.parse(text))]
+        if '"-m", "oracle"' in text or "'-m', 'oracle'" in text:
+            offenders.append(f"{path.relative_to(ROOT)} starts `python -m oracle` with a command line")
+    assert not offenders, offenders
+    planted = ast.parse("import sys\ndef f():\n    return sys.argv[1:]\nif __name__ == '__main__':\n    print(sys.argv)\n")
+    assert _argv_reads(planted) == [3]  # the check sees a read in a function, not one under the main guard

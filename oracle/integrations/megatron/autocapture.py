@@ -418,12 +418,11 @@ def _report_at_exit() -> None:
     _say(f"ORACLE_CAPTURE={os.environ.get('ORACLE_CAPTURE')} is set but nothing was captured: {why}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     """``python -m oracle.integrations.megatron.autocapture install-pth``: write the start-up hook
     into this interpreter's site-packages (an editable install does not carry it)."""
     import sysconfig
 
-    argv = sys.argv[1:] if argv is None else argv
     if argv != ["install-pth"]:
         print(main.__doc__, file=sys.stderr)
         return 2
@@ -440,4 +439,4 @@ PTH_LINE = ("import os; os.environ.get('ORACLE_CAPTURE') and "
             "__import__('oracle.integrations.megatron.autocapture', fromlist=['install']).install()")  # fmt: skip
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

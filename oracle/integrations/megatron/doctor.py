@@ -227,9 +227,9 @@ def parser():
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer)."""
-    a = parser().parse_args(sys.argv[1:] if argv is None else argv)  # a usage mistake: argparse's message, exit 2
+    a = parser().parse_args(argv)  # a usage mistake: argparse's message, exit 2
     layout = {"tp": a.tp, "pp": a.pp, "tokens": a.tokens, "sequence_parallel": not a.no_sp, "images": a.images,
               "image_side": a.image_side}  # fmt: skip
     try:
@@ -241,4 +241,4 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
