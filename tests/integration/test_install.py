@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,6 +169,25 @@ def test_doctor_names_an_unwritable_folder_and_a_bad_step(tmp_path):
     assert r.returncode == 12, r.stdout + r.stderr
     assert f"{tmp_path / 'file' / 'cap'}: cannot be written (Not a directory)" in r.stdout
     assert "ORACLE_CAPTURE_STEP='first' is not a non-negative integer" in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--tp", "0"], 2, "--tp 0: expected a whole number >= 1"),
+    (["--tp", "-2"], 2, "--tp -2: expected a whole number >= 1"),
+    (["--pp", "0"], 2, "--pp 0: expected a whole number >= 1"),
+    (["--tokens", "0"], 2, "--tokens 0"),
+    (["--tp", "8"], 2, "--tp size the capture: give --hf-config"),
+])
+def test_doctor_refuses_size_options_it_cannot_use(tmp_path, args, code, message):
+    """python -m oracle doctor (no typer there): a TP of 0 or below, sizes without --hf-config are usage
+    errors (exit 2, never a ZeroDivisionError, never negative sizes); a missing config is exit 3."""
+    cfg = [] if message.endswith("--hf-config") else ["--hf-config", str(ROOT / "tests" / "data" / "h20_rank0_grad_norms.log")]
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor", str(tmp_path / "cap"), *cfg, *args], capture_output=True,
+                       text=True, cwd=ROOT)  # fmt: skip
+    assert r.returncode == code and message in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor", str(tmp_path / "cap"), "--hf-config", str(tmp_path / "none.json")],
+                       capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 3 and "none.json" in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
 
 
 def test_capture_size_counts_the_models_own_parameters(tmp_path):

@@ -22,6 +22,7 @@ stop the capture, each problem said with its fix.
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib.metadata
 import importlib.util
 import json
@@ -132,11 +133,33 @@ def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[l
     return [capture_size.render(s, **layout)], s["rank_with_layers" if modules else "rank"]
 
 
+LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4, "image_side": 448}
+LAYOUT_MIN = {"tp": 1, "pp": 1, "tokens": 1, "images": 0, "image_side": 1}
+
+
+def check_layout(hf_config: str | None, layout: dict[str, Any] | None) -> dict[str, Any]:
+    """The size options, validated once for both entry points (typer's and argparse's): whole numbers at
+    their minimum or above (a TP of 0 divides by zero, a negative one prints negative sizes), given only
+    with --hf-config (they size the capture; alone they would be ignored), the config a file that exists."""
+    lay = {**LAYOUT_DEFAULTS, **(layout or {})}
+    for k, lo in LAYOUT_MIN.items():
+        v = lay[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"--{k.replace('_', '-')} {v!r}: expected a whole number >= {lo}")
+    if hf_config is None and lay != LAYOUT_DEFAULTS:
+        given = [f"--{k.replace('_', '-')}" if k != "sequence_parallel" else "--no-sp" for k in lay if lay[k] != LAYOUT_DEFAULTS[k]]
+        raise ValueError(f"{', '.join(given)} size the capture: give --hf-config (the model's config.json) as well")
+    if hf_config is not None and not os.path.isfile(hf_config):
+        raise FileNotFoundError(errno.ENOENT, "--hf-config: no such file", hf_config)
+    return lay
+
+
 def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf_config: str | None = None,
              layout: dict[str, Any] | None = None) -> tuple[int, str]:  # fmt: skip
     """The report's text and its exit code (0 ready, ``NOT_READY`` otherwise). With ``hf_config``
     (and ``layout``: tp, pp, tokens, sequence_parallel, images, image_side) also the capture's size
     per rank, and whether the capture folder's disk holds one rank's."""
+    layout = check_layout(hf_config, layout)
     env = dict(os.environ if env is None else env)
     folder = folder or env.get("ORACLE_CAPTURE")
     problems: list[str] = []
@@ -170,8 +193,7 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf
                         "run the doctor in the training environment")  # fmt: skip
     need = None
     if hf_config:
-        more, need = size_lines(hf_config, {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4,
-                                            "image_side": 448, **(layout or {})}, bool(env.get("ORACLE_CAPTURE_MODULES")))  # fmt: skip
+        more, need = size_lines(hf_config, layout, bool(env.get("ORACLE_CAPTURE_MODULES")))
         lines += more
     if folder:
         ok, text = check_folder(folder)
@@ -237,6 +259,9 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FileNotFoundError as e:
+        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 3  # EXIT_CODES: an input path does not exist
     print(text)
     return code
 
