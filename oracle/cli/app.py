@@ -228,45 +228,12 @@ def score(
 
     Example: oracle score truth.bundle h20.bundle 910b.bundle --band band.bundle --name H20 --name 910B --report report/
     """
-    from oracle.bundle.jsonio import write_json
-    from oracle.bundle.store import Bundle
-    from oracle.report.outputs import check_dir, check_file, writing
-    from oracle.score.tolerance import parse_overrides
+    from oracle.api.score import ScoreOptions
+    from oracle.api.score import score as api_score
 
-    check_file(json_out, "--json")
-    check_dir(report, "--report")
-    overrides = parse_overrides(tol or [])
-    first = Bundle(oracle)
-    if first.kind == "local":
-        if captures:
-            raise UsageError("a local replay is scored alone: give no captures")
-        from oracle.report.files import write_local_report
-        from oracle.report.text import render_local
-        from oracle.score.local import score_local
-
-        result = score_local(first, margin=margin, tol_overrides=overrides, band_paths=band or [])
-        typer.echo(render_local(result))
-        write = write_local_report
-    else:
-        if not captures:
-            raise UsageError("give at least one capture to score against the oracle")
-        if name and len(name) != len(captures):
-            raise UsageError(f"--name given {len(name)} times for {len(captures)} captures")
-        from oracle.report.files import write_report
-        from oracle.report.text import render
-        from oracle.score.scorer import score as do_score
-
-        result = do_score(oracle, captures, band_paths=band or [], margin=margin, tol_overrides=overrides,
-                          names=name or None, force_band=force_band)  # fmt: skip
-        typer.echo(render(result, top=top))
-        write = write_report
-    if json_out:
-        with writing("--json", json_out):
-            write_json(result, json_out)
-        typer.echo(f"json: {json_out}")
-    if report:
-        with writing("--report", report):
-            typer.echo(f"report: {write(result, report)}")
+    opts = ScoreOptions(oracle=oracle, captures=tuple(captures or ()), band=tuple(band or ()), json_out=json_out,
+                        report=report, margin=margin, tol=tuple(tol or ()), names=name, top=top, force_band=force_band)  # fmt: skip
+    api_score(opts, echo=typer.echo)
 
 
 @app.command("compare-logs")
@@ -460,23 +427,9 @@ def explain(
 
     Example: oracle explain 910b.bundle --module model.language_model.layers.2.mlp
     """
-    from oracle.bundle.jsonio import write_json
-    from oracle.report.files import write_explain_report
-    from oracle.report.outputs import check_dir, check_file, writing
-    from oracle.report.text import render_explain
-    from oracle.score.explain import explain as do_explain
+    from oracle.api.score import explain as api_explain
 
-    check_file(json_out, "--json")
-    check_dir(report, "--report")
-    res = do_explain(capture, module, fmt=fmt)
-    typer.echo(render_explain(res))
-    if json_out:
-        with writing("--json", json_out):
-            write_json(res, json_out)
-        typer.echo(f"json: {json_out}")
-    if report:
-        with writing("--report", report):
-            typer.echo(f"report: {write_explain_report(res, report)}")
+    api_explain(capture, module, fmt=fmt, json_out=json_out, report=report, echo=typer.echo)
 
 
 @app.command()
