@@ -143,3 +143,21 @@ def packed_text_capture(root, name: str = "packed") -> tuple[str, list[dict], ob
     lines = (Path(__file__).parent.parent / "replays" / "qwen3" / "sample.jsonl").read_text().splitlines()
     samples = [json.loads(x) for x in lines[:3]]
     return capture_recipe_step(src, samples, str(root / name), reduction="sum"), samples, src
+
+
+def tiny_rank_module(seed: int = 0) -> torch.nn.Module:
+    """A Megatron-named TP1 rank's parameters without Megatron: embedding, final norm and output layer
+    (vocabulary 32, hidden 16), each with a random gradient, for capture_rank."""
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    for dotted, value in (("embedding.word_embeddings", torch.randn(32, 16)), ("decoder.final_layernorm", torch.ones(16)),
+                          ("output_layer", torch.randn(32, 16))):  # fmt: skip
+        parent = m
+        for part in dotted.split("."):
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.weight = torch.nn.Parameter(value)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    return m

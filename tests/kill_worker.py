@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+
+from helpers import tiny_rank_module  # noqa: E402
 
 from oracle import recipe as recipes  # noqa: E402
 from oracle.bundle import atomic  # noqa: E402
@@ -50,18 +52,7 @@ def verify(path: Path) -> None:
 
 def fake_rank(root: Path) -> Path:
     """A TP1 Megatron rank capture of embedding, final norm and output layer (no Megatron needed)."""
-    torch.manual_seed(0)
-    m = nn.Module()
-    for dotted, value in (("embedding.word_embeddings", torch.randn(32, 16)), ("decoder.final_layernorm", torch.ones(16)),
-                          ("output_layer", torch.randn(32, 16))):  # fmt: skip
-        parent = m
-        for part in dotted.split("."):
-            if not hasattr(parent, part):
-                parent.add_module(part, nn.Module())
-            parent = getattr(parent, part)
-        parent.weight = nn.Parameter(value)
-    for p in m.parameters():
-        p.grad = torch.randn_like(p)
+    m = tiny_rank_module(0)
     coords = {"rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1}
     return capture_rank(m, root / "ranks", stage="post-finalize", batch={"input_ids": torch.arange(8).view(1, 8)},
                         loss=1.0, num_tokens=8, coords=coords)  # fmt: skip

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
+from helpers import tiny_rank_module
 from typer.testing import CliRunner
 
 from cli import app
@@ -19,18 +19,7 @@ HF = {"model_type": "qwen3", "vocab_size": 32, "hidden_size": 16, "intermediate_
 
 def rank(folder: Path, r: int, dp: int, seed: int) -> Path:
     """A TP1 rank capture of embedding, final norm and output layer (no Megatron needed)."""
-    torch.manual_seed(seed)
-    m = nn.Module()
-    for dotted, value in (("embedding.word_embeddings", torch.randn(32, 16)), ("decoder.final_layernorm", torch.ones(16)),
-                          ("output_layer", torch.randn(32, 16))):  # fmt: skip
-        parent = m
-        for part in dotted.split("."):
-            if not hasattr(parent, part):
-                parent.add_module(part, nn.Module())
-            parent = getattr(parent, part)
-        parent.weight = nn.Parameter(value)
-    for p in m.parameters():
-        p.grad = torch.randn_like(p)
+    m = tiny_rank_module(seed)
     coords = {"rank": r, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": r, "dp_size": dp}
     return capture_rank(m, folder, stage="post-finalize", batch={"input_ids": torch.arange(8).view(1, 8)}, loss=1.0,
                         num_tokens=8, coords=coords, overwrite=True)  # fmt: skip
