@@ -222,4 +222,4 @@ def test_capture_size_counts_the_models_own_parameters(tmp_path):
     assert "= 8.95 GiB per bundle; pre + post: 17.91 GiB" in res.stdout
     assert "with ORACLE_CAPTURE_MODULES=layers: + 10.12 GiB per bundle (36 decoder layers x 4 x 8192 rows); pre + post: 38.16 GiB" in res.stdout
     res = CliRunner().invoke(app, ["doctor", "--hf-config", str(tmp_path / "missing.json")])
-    assert res.exit_code == 2 and "cannot size the capture" in res.stderr
+    assert res.exit_code == 3 and "missing.json" in res.stderr and "Traceback" not in res.output  # an input path missing: exit 3
