@@ -134,13 +134,16 @@ def test_the_packed_fp32_rank_view_matches_each_ranks_own_capture(path, rank, me
 
 @pytest.mark.parametrize("path", ["h20", "910b"])
 def test_the_packed_bf16_step_is_within_its_emulated_band(path, merged, tmp_path):
-    """bf16 with fp32 main_grad, packed: every judged gradient within the band of four emulated bf16
-    runs of the same packed step."""
+    """bf16 with fp32 main_grad, packed: every judged gradient within its band (the largest error of
+    four emulated bf16 runs of the same packed step, times the scorer's margin 3): the device run is
+    one more draw of that noise, so with 77 gradients some exceed the largest of four draws (measured:
+    at most 1.15x on H20, 1.07x on 910B), none comes near the margin."""
     cap, oracle = merged(path, "bf16")
     band = replay(cap, tmp_path / "band", dtype="bf16", ensemble=4)
     c = score(oracle, [cap], band_paths=[band])["captures"][0]
     assert len(c["params"]) == 77 and c["verdict"]["class"] == "within_noise", c["verdict"]
-    assert max(p["excess"] for p in c["params"]) < 1.0
+    assert all(p["class"] == "within_noise" for p in c["params"])
+    assert max(p["excess"] for p in c["params"]) < 2.0, max(c["params"], key=lambda p: p["excess"])
 
 
 @pytest.mark.parametrize("path", ["h20", "910b"])
