@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+VENV = os.path.join(ROOT, ".venv-mindspeed", "bin", "python")
 
 
 def script(name: str, *args: str, env: dict | None = None, tag: str) -> tuple[dict, str]:
@@ -41,3 +43,33 @@ def ranks(name: str, *args: str, world: int, env: dict | None = None, tag: str,
         assert p.returncode == 0 and lines, f"{name} rank {r} failed (rc {p.returncode}):\n{so[-3000:]}\n{se[-6000:]}"
         res.append((json.loads(lines[-1][len(tag) + 1:]), se))
     return res
+
+
+def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, capture: bool = True,
+                   python: str = VENV) -> tuple[str, list[dict]]:  # fmt: skip
+    """The 910B path of the user's PACKED step, captured as the user would (harness for other tests).
+
+    ms-swift 3.12.1's NPU branch with MindSpeed 0016137 (its adaptor and ``repatch``) on the CPU
+    torch_npu stand-in, in ``.venv-mindspeed`` (``python``): TP 2 + SP, ms-swift's packing collation
+    of 3 samples (2 with images) plus 1 SP pad singleton (tests/swift/packed.py), MindSpeed's
+    attention as ``npu_fusion_attention`` in TND with ``actual_seq_qlen`` from ``cu_seqlens``, full
+    uniform recompute, ``dtype`` fp32 or bf16 (Float16Module, fp32 main_grad through
+    ``npu_matmul_add_fp32``). swift_npu_step.py unchanged, only ``ORACLE_CAPTURE=OUT/capture`` and
+    ``ORACLE_CAPTURE_MODULES=layers`` in its environment, plus ``env`` (e.g.
+    ``{"TORCH_NPU_STANDIN_FAULTS": "attention_cross_boundary"}``, tests/npu_standin/npu_ops/faults.py).
+    ``capture=False``: the same run without them. Returns (``OUT/capture``, each rank's report: the
+    ops called, ``tnd_actual_seq_qlen``, the main_grads' sha256, ...); each rank's main_grads are in
+    ``OUT/raw/grads_post.rankN.safetensors``. For example::
+
+        cap, reports = packed_capture(str(tmp_path / "910b"), "bf16",
+                                      env={"TORCH_NPU_STANDIN_FAULTS": "attention_cross_boundary"})
+        merged = merge_ranks([Path(cap) / "pre"], tmp_path / "910b.cap", recipe="qwen3-vl")
+    """
+    hf = os.path.join(out, "hf")
+    os.makedirs(out, exist_ok=True)
+    subprocess.run([python, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import tiny; tiny.write_model_dir(sys.argv[2])",
+                    os.path.join(ROOT, "tests", "swift"), hf], check=True, capture_output=True, timeout=600)  # fmt: skip
+    cap = os.path.join(out, "capture")
+    e = {"PYTHONPATH": ROOT, **({"ORACLE_CAPTURE": cap, "ORACLE_CAPTURE_MODULES": "layers"} if capture else {}), **(env or {})}
+    res = ranks("swift_npu_step.py", out, hf, "2", dtype, "packed", world=2, env=e, tag="SWIFT", python=python)
+    return cap, [r for r, _ in res]

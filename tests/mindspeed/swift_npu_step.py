@@ -8,7 +8,10 @@ over MindSpeed's dummy TE), builds the model on the TE spec (MindSpeed's classes
 stand-in ops that ran, the loss, the parameter names in MindSpeed's order, the main_grads' sha256
 (also saved to OUT/raw/grads_post.rankN.safetensors).
 
-``python swift_npu_step.py OUT MODEL_DIR [TP [fp32|bf16]]`` (the tiny model is written there if it is not yet;
+``python swift_npu_step.py OUT MODEL_DIR [TP [fp32|bf16 [packed]]]`` (``packed``: the user's packed step,
+ms-swift's own packing collation of 3 samples, tests/swift/packed.py, ``padding_free`` on, so
+``get_batch`` builds THD ``PackedSeqParams`` with ``cu_seqlens_*_padded`` as on NPU and MindSpeed's
+attention runs ``npu_fusion_attention`` in TND; full uniform recompute of every layer) (the tiny model is written there if it is not yet;
 TP > 1: one process per rank, launched by run.ranks, sequence parallel on). ``MINDSPEED_STEP_ARGS``
 (JSON) adds flags to the arguments before ``repatch``, e.g. ``{"use_fused_rotary_pos_emb": true}``."""
 
@@ -38,7 +41,7 @@ def init_ranks(tp):
     model_parallel_cuda_manual_seed(0)  # as Megatron-LM's initialize: the RNG tracker forks under SP (CPU generator here)
 
 
-def main(out, model_dir, tp=1, dtype="fp32"):
+def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
     sys.argv = sys.argv[:1]
     import torch_npu  # the stand-in
 
@@ -69,6 +72,10 @@ def main(out, model_dir, tp=1, dtype="fp32"):
     args.transformer_impl, args.spec, args.attention_backend = "transformer_engine", None, AttnBackend.flash
     args.gradient_accumulation_fusion, args.bias_swiglu_fusion = True, True
     args.use_flash_attn = True  # MegatronSft.__init__ on NPU, attention_backend != local
+    packed = mode == "packed"
+    if packed:  # the user's flags: --packing true (padding_free), full uniform recompute
+        args.padding_free = args.packing = True
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers = "full", "uniform", 1
     args.__dict__.update(json.loads(os.environ.get("MINDSPEED_STEP_ARGS", "{}")))  # the run's own flags, e.g. MindSpeed's
     from mindspeed.args_utils import get_mindspeed_args
 
@@ -102,10 +109,18 @@ def main(out, model_dir, tp=1, dtype="fp32"):
     trainer = MegatronTrainer.__new__(MegatronTrainer)
     trainer.args, trainer.stimer, trainer.mcore_013 = args, StragglerDetector(), False
     trainer.unwrapped_models, trainer.wrapped_models, trainer.custom_metrics = [model], [ddp], {}
-    sample = tiny.sample(seq_multiple=tp)
+    if packed:
+        import packed as packed_batch
+
+        sample = packed_batch.batch(model_dir, padding_to=tp)
+    else:
+        sample = tiny.sample(seq_multiple=tp)
     seq = sample["input_ids"].shape[1]
     ddp.zero_grad_buffer()
     npu_ops.CALLS.clear()
+    from npu_ops import attention
+
+    attention.TND_SEQ_QLEN.clear()
     losses = get_forward_backward_func()(forward_step_func=trainer.forward_step, data_iterator=iter([sample]),
                                          model=[ddp], num_microbatches=1, seq_length=seq, micro_batch_size=1,
                                          decoder_seq_length=seq, forward_only=False)  # fmt: skip
@@ -115,7 +130,9 @@ def main(out, model_dir, tp=1, dtype="fp32"):
     rank = int(os.environ.get("RANK", 0))
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
     save_file(grads, os.path.join(out, "raw", f"grads_post.rank{rank}.safetensors"))
-    report = {"ops_called": dict(npu_ops.CALLS), "names": list(grads), "torch_npu_touched": torch_npu.touched(),
+
+    report = {"ops_called": dict(npu_ops.CALLS), "tnd_actual_seq_qlen": attention.TND_SEQ_QLEN,
+              "names": list(grads), "torch_npu_touched": torch_npu.touched(),
               "reported": {k: [float(x) for x in v] for k, v in (losses[0] if losses else {}).items()},
               "grads_sha256": {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in grads.items()},
               "zero_grads": sorted(n for n, t in grads.items() if not bool(t.abs().max() > 0))}  # fmt: skip
@@ -123,4 +140,4 @@ def main(out, model_dir, tp=1, dtype="fp32"):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]), *sys.argv[4:5])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]), *sys.argv[4:6])

@@ -43,10 +43,13 @@ def _free_port() -> int:
 
 
 def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_dir: str | None = None,
-        timeout: float = 600.0, env: dict | None = None, pp: int = 1) -> dict:  # fmt: skip
+        timeout: float = 600.0, env: dict | None = None, pp: int = 1, packed: bool = False) -> dict:  # fmt: skip
     """Run one step at TP ``tp`` (sequence parallel ``sp``) x PP ``pp``, ``dtype`` in {fp32, bf16},
     one process per rank (TP fastest); returns the per-rank meta (also in
-    ``OUT/raw/rankN/meta.json``). ``env`` is added to the ranks' environment (e.g. ``ORACLE_CAPTURE``)."""
+    ``OUT/raw/rankN/meta.json``). ``env`` is added to the ranks' environment (e.g. ``ORACLE_CAPTURE``).
+    ``packed``: the user's packed step (tests/swift/packed.py: ms-swift's own packing collation,
+    ``padding_free`` on, THD ``PackedSeqParams`` from ``get_batch``; the core attention is the TE THD
+    stand-in, tests/swift/te_thd.py; full uniform recompute of every layer)."""
     import subprocess
 
     assert dtype in ("fp32", "bf16"), dtype
@@ -65,7 +68,7 @@ def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_
         e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                  LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # fmt: skip
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, model_dir, str(tp), str(int(sp)), dtype,
-               str(pp)]
+               str(pp), str(int(packed))]
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT), log))
     t0 = time.time()
@@ -95,7 +98,7 @@ def run(out_dir: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", model_
 # --------------------------------------------------------------------------- inside a rank
 
 
-def make_args(model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1):
+def make_args(model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1, packed: bool = False):
     """Megatron/ms-swift arguments: ms-swift's own dataclass defaults, the model fields converted by
     ms-swift's ``convert_hf_config`` from the HF config, then the CPU settings (no fusions, no TE)."""
     import dataclasses
@@ -146,6 +149,9 @@ def make_args(model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1):
         seq_length=None,
         variable_seq_lengths=True, deterministic_mode=False, use_distributed_optimizer=False,
     )  # fmt: skip
+    if packed:  # the user's flags: --packing true (padding_free), full uniform recompute of every layer
+        a.update(padding_free=True, packing=True, recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1)  # fmt: skip
     return SimpleNamespace(**a)
 
 
@@ -188,7 +194,7 @@ def plant_fault(model, spec: str) -> None:
     mlp.register_forward_hook(hook)
 
 
-def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1) -> None:
+def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int = 1, packed: bool = False) -> None:
     sys.path.insert(0, HERE)
     import standins
 
@@ -202,7 +208,7 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
     torch.use_deterministic_algorithms(True)
     t_start = time.time()
     dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
-    args = make_args(model_dir, tp, sp, dtype, pp)
+    args = make_args(model_dir, tp, sp, dtype, pp, packed)
     standins.set_args(args)
     from megatron.core import mpu
 
@@ -216,6 +222,10 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
     from swift.megatron.trainers.trainer import MegatronTrainer
 
     standins.SPEC = standins.local_spec_with_sp_norms(args)
+    if packed:
+        import te_thd
+
+        standins.SPEC = te_thd.packed_spec(standins.SPEC)
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
     model = model_provider(pre_process=first, post_process=last)
     model.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's get_model sets it
@@ -263,7 +273,10 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
         return out
 
     config.finalize_model_grads_func = recording_finalize
-    sample = __import__("tiny").sample(seq_multiple=tp)
+    if packed:
+        sample = __import__("packed").batch(model_dir, padding_to=tp)
+    else:
+        sample = __import__("tiny").sample(seq_multiple=tp)
     seq = sample["input_ids"].shape[1]
     ddp.zero_grad_buffer()
     t0 = time.time()
@@ -308,9 +321,9 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        _, _, out, mdir, tp_, sp_, dt, pp_ = sys.argv
-        worker(out, mdir, int(tp_), bool(int(sp_)), dt, int(pp_))
+    if len(sys.argv) == 9 and sys.argv[1] == "--worker":
+        _, _, out, mdir, tp_, sp_, dt, pp_, packed_ = sys.argv
+        worker(out, mdir, int(tp_), bool(int(sp_)), dt, int(pp_), bool(int(packed_)))
     else:
         import argparse
 
@@ -320,8 +333,9 @@ if __name__ == "__main__":
         ap.add_argument("--sp", action="store_true")
         ap.add_argument("--pp", type=int, default=1)
         ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+        ap.add_argument("--packed", action="store_true")
         o = ap.parse_args()
-        info = run(o.out, o.tp, o.sp, o.dtype, pp=o.pp)
+        info = run(o.out, o.tp, o.sp, o.dtype, pp=o.pp, packed=o.packed)
         for m in info["ranks"]:
             print(f"rank {m['rank']}: loss_sum {m['loss_sum']} tokens {m['num_tokens']} "
                   f"build {m['build_s']:.1f}s step {m['step_s']:.2f}s")  # fmt: skip

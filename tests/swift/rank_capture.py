@@ -39,17 +39,47 @@ def run(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: f
 
 
 def env_capture(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", timeout: float = 600.0,
-                env: dict | None = None) -> str:  # fmt: skip
+                env: dict | None = None, packed: bool = False) -> str:  # fmt: skip
     """The same step captured as the user would: peer.py unchanged, only ``ORACLE_CAPTURE=OUT/capture``
     in its environment (the start-up hook, oracle/integrations/megatron/autocapture.py), plus ``env``
-    (e.g. ``ORACLE_CAPTURE_MODULES``, or peer.py's ``SWIFT_PEER_FAULT``). -> OUT/capture."""
+    (e.g. ``ORACLE_CAPTURE_MODULES``, or peer.py's ``SWIFT_PEER_FAULT``); ``packed``: the user's packed
+    step (peer.run's ``packed``). -> OUT/capture."""
     cap = os.path.join(out, "capture")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), ORACLE_CAPTURE=cap, **(env or {}))
-    cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", str(tp), *(["--sp"] if sp else []), "--dtype", dtype]
+    cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", str(tp), *(["--sp"] if sp else []), "--dtype", dtype,
+           *(["--packed"] if packed else [])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
         raise RuntimeError(f"ms-swift peer under ORACLE_CAPTURE failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
     return cap
+
+
+def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, capture: bool = True,
+                   timeout: float = 600.0) -> str:  # fmt: skip
+    """The H20 path of the user's PACKED step, captured as the user would (harness for other tests).
+
+    ms-swift 3.12.1's own Megatron Qwen3-VL on megatron-core 0.12.1 in ``.venv-swift``, TP 2 + SP,
+    ms-swift's packing collation of 3 samples (2 with images) plus 1 SP pad singleton
+    (tests/swift/packed.py), THD attention through the TE stand-in (tests/swift/te_thd.py), full
+    uniform recompute, ``dtype`` fp32 or bf16 (Float16Module, fp32 main_grad); peer.py unchanged, only
+    ``ORACLE_CAPTURE=OUT/capture`` and ``ORACLE_CAPTURE_MODULES=layers`` in its environment, plus
+    ``env`` (e.g. peer.py's ``SWIFT_PEER_FAULT``). ``capture=False``: the same run without them.
+    Returns ``OUT/capture`` (rank folders under ``pre/`` and ``post/``); each rank's main_grads as
+    the run saw them are in ``OUT/raw/rankN/grads_post.safetensors``. For example::
+
+        cap = packed_capture(str(tmp_path / "h20"), "bf16")
+        merged = merge_ranks([Path(cap) / "pre"], tmp_path / "h20.cap", recipe="qwen3-vl")
+    """
+    if capture:
+        return env_capture(out, tp=2, sp=True, dtype=dtype, timeout=timeout, packed=True,
+                           env={"ORACLE_CAPTURE_MODULES": "layers", **(env or {})})  # fmt: skip
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ORACLE_")}
+    e.update(PYTHONPATH=os.pathsep.join([ROOT, HERE]), **(env or {}))
+    cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", "2", "--sp", "--dtype", dtype, "--packed"]
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        raise RuntimeError(f"ms-swift packed peer failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
+    return os.path.join(out, "capture")
 
 
 def _patch_peer() -> None:

@@ -11,7 +11,7 @@ piece of the step's numerics:
   imports TransformerEngine); its ``init.py`` patches are applied minus the TransformerEngine ones.
 - CUDA: a torch function mode maps every ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` to the CPU;
   ``torch.cuda.current_device`` returns ``"cpu"``; the CUDA RNG tracker's ``fork`` is a no-op (no
-  dropout).
+  dropout), and recompute's save/restore of the CUDA RNG state is the CPU generator's.
 - Sequence parallel without apex: the local spec's ``WrappedTorchNorm`` refuses SP, so it is built
   with SP off and its parameters are marked ``sequence_parallel`` (as TE's norms are), which is what
   makes ``finalize_model_grads`` all-reduce them.
@@ -281,6 +281,10 @@ def install_cpu_redirects():
     from megatron.core.tensor_parallel import random as tp_random
 
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    # activation recompute saves and restores the CUDA RNG state around each checkpointed layer:
+    # there is none here (no dropout either), so it is the CPU generator's, restored by torch's own call
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
     mode = CudaToCpu()
     mode.__enter__()  # for the whole process: the ranks are spawned for this step only
     return mode

@@ -172,6 +172,9 @@ class _FusionAttention(torch.autograd.Function):
                 _from_bnsd(dv, layout).to(v.dtype), None, None, None, None)  # fmt: skip
 
 
+TND_SEQ_QLEN: list = []  # actual_seq_qlen of each TND call in this process
+
+
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                          scale=1.0, keep_prob=1.0, pre_tockens=_BIG, next_tockens=_BIG, inner_precise=0, prefix=None,
                          actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
@@ -195,6 +198,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
         o = out[0].transpose(0, 1) if layout == "SBH" else out[0]
         return (o.reshape(*o.shape[:-2], n * d), *out[1:])
     CALLS["npu_fusion_attention"] += 1  # once per call: BSH/SBH came through BSND above
+    if layout == "TND":  # which packed boundaries the caller passed (a step's report shows them)
+        TND_SEQ_QLEN.append([int(x) for x in actual_seq_qlen] if actual_seq_qlen is not None else None)
     if layout not in ("BSND", "BNSD", "TND"):
         raise ValueError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of BSH, SBH, BSND, BNSD, TND")
     if query.shape[-2 if layout != "BNSD" else 1] != n:
