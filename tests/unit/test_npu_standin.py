@@ -278,8 +278,9 @@ def test_a_fault_at_call_k_hits_only_that_backward_call_and_is_read_from_the_env
 
 
 def test_the_causal_leak_lets_each_query_see_the_next_key_in_the_backward_only():
-    """attention_causal_leak (unpacked layouts): the forward is bitwise the honest one; dQ changes at every
-    query that has a next key (0..S-2) and not at the last; only non-TND calls are counted."""
+    """attention_causal_leak (unpacked layouts): the forward is bitwise the honest one; the backward drops the
+    causal mask, so dQ changes at every query that has a key after it (0..S-2), not at the last; only
+    non-TND calls are counted."""
     a, b, c = (_rand(6, 1, 32), _rand(6, 1, 16, seed=2), _rand(6, 1, 16, seed=3))
     out, gs = _grads(_attn_sbh, a, b, c)
     faults.reset_counts()

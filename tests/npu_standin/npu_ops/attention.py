@@ -92,15 +92,15 @@ def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_b
     """Boolean (B|1, 1, S_q, S_kv): which keys each query sees. In TND the samples' blocks on the
     diagonal, each shaped by the mode; ``cross_boundary`` (a planted fault) also lets each sample's
     first query see the previous sample's last key. Other layouts: ``causal_leak`` (a planted
-    fault) lets every query i also see key i + 1, across the causal boundary."""
+    fault) drops the causal mask: every query also sees the keys after it."""
     if layout != "TND":
         m = mask
         if m is not None and m.dim() == 2:
             m = m[None, None]
         ok = _sample_allowed(sq, skv, mode, pre, nxt, m, device)
         ok = ok if ok.dim() == 4 else ok[None, None]
-        if causal_leak:  # each query i also sees key i + 1: the causal diagonal one key too wide
-            ok = ok | (torch.arange(skv, device=device)[None, :] == torch.arange(sq, device=device)[:, None] + 1)
+        if causal_leak:  # the causal mask dropped: each query also sees every key after it
+            ok = torch.ones_like(ok)
         return ok
     if qlen is None or kvlen is None:
         raise ValueError("npu_fusion_attention: TND layout needs actual_seq_qlen and actual_seq_kvlen")

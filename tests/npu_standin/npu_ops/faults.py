@@ -11,8 +11,8 @@ layer and ``@L-1`` layer 0 (under full recompute too: the recomputed forward is 
   segment but the first also see the previous segment's last key (TND only: a packed boundary;
   calls in other layouts are not counted).
 - ``attention_causal_leak``: the same kind for an unpacked batch (MindSpeed's SBH call, any layout
-  but TND; TND calls are not counted): the backward's causal mask is one key too wide, every
-  query i also sees key i + 1 (as a backward kernel given next_tockens 1 instead of 0).
+  but TND; TND calls are not counted): the backward runs without the causal mask, every query also
+  sees the keys after it (as a backward kernel handed another sparse_mode than the forward's).
 - ``rotary_sin_sign``: npu_rotary_position_embedding's / npu_rotary_mul's backward adds the sin
   term of dx with the wrong sign (dx = g*cos - R^T(g*sin)).
 - ``matmul_add_bf16``: npu_matmul_add_fp32 accumulates the weight gradient in bf16
