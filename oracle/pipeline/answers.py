@@ -98,11 +98,31 @@ def _framework(c: dict[str, Any], margin: float) -> list[str]:
     return out
 
 
+def _unreduced(c: dict[str, Any]) -> list[str]:
+    return sorted(r["name"] for r in ((c.get("framework") or {}).get("params") or []))
+
+
+def framework(score: dict[str, Any]) -> dict[str, Any]:
+    """Gradients the framework never reduced across TP (score.framework), split into those found in
+    every run (the framework's behaviour, on every device alike) and those found in one run only
+    (that run's framework or configuration differs: e.g. a norm weight that lost its sequence-parallel
+    mark, Megatron-LM #1446). Either way a framework finding, not a device error."""
+    per = {c["name"]: _unreduced(c) for c in score["captures"]}
+    shared = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    only = {n: [p for p in v if p not in shared] for n, v in per.items()}
+    parts = [f"in {n} only: {len(v)} gradient(s) never reduced across TP ranks ({', '.join(v[:4])}"
+             f"{f' and {len(v) - 4} more' if len(v) > 4 else ''})" for n, v in only.items() if v]  # fmt: skip
+    if shared:
+        parts.append(f"in {' and '.join(per) if len(per) > 1 else 'the run'} alike: {len(shared)} gradient(s) never "
+                     "reduced across TP ranks")  # fmt: skip
+    return {"shared": shared, "only": only, "text": "framework finding " + "; ".join(parts) if parts else ""}
+
+
 def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float) -> dict[str, Any]:
     rows = []
     for c in score["captures"]:
         name, v = c["name"], c["verdict"]
-        fw = _framework(c, margin)
+        fw = _framework(c, margin) + ([c["framework"]["text"]] if c.get("framework") else [])
         lv = (local.get(name) or {}).get("verdict")
         lc = c.get("loss_check")
         if lv and lv.get("culprit"):
@@ -145,6 +165,58 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
     return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
 
 
+CAPTURE_LAYERS = ("capture both runs again with module boundaries (ORACLE_CAPTURE_MODULES=layers beside ORACLE_CAPTURE; "
+                  "oracle capture --modules for a bundle), so that a local replay places the module and explain ranks "
+                  "the op classes")  # fmt: skip
+
+
+def _sub_modules(module: str) -> str:
+    """A module-selection regex (searched in the model chunk's mcore names) for ``module``'s children:
+    ``model.language_model.layers.3`` -> ``decoder\\.layers\\.3\\..*``; another module, its name
+    without the leading ``model.`` (``model.visual.blocks.1`` -> ``visual\\.blocks\\.1\\..*``)."""
+    m = re.search(r"layers\.(\d+)$", module)
+    return rf"decoder\.layers\.{m.group(1)}\..*" if m else re.escape(module.removeprefix("model.")) + r"\..*"
+
+
+# A decoder layer's backward reaches its parameters in this order (HF names below the layer); each
+# stage names the op class that computes the gradient reaching that stage's parameters from the
+# stage before. A backward fault inside the layer leaves every stage before it within noise (its
+# inputs, the gradient from above and the forward's activations, are exact) and every stage from
+# it on beyond: the first stage beyond noise names the op class. Forward faults change the loss
+# and are not read this way.
+_LAYER_PATH = [
+    ("mlp.down_proj", "matmul", "the MLP output projection's weight-gradient GEMM or its accumulation"),
+    ("mlp.gate_proj|mlp.up_proj", "activation", "the SwiGLU backward between down_proj and gate/up_proj"),
+    ("post_attention_layernorm", "normalisation", "the post-attention RMSNorm's backward"),
+    ("self_attn.o_proj", "matmul", "the attention output projection's weight-gradient GEMM or its accumulation"),
+    ("self_attn.v_proj", "attention", "the attention core's backward (dV = P^T dO, dS = P (dP - rowsum(dO O)))"),
+    ("self_attn.q_norm|self_attn.k_norm", "rotary",
+     "the rotary embedding's backward between the attention core and the q/k RMSNorm (V, which has no rotary, is within noise)"),
+    ("self_attn.q_proj|self_attn.k_proj", "normalisation", "the q/k RMSNorm's input-gradient"),
+    ("input_layernorm", "normalisation", "the input RMSNorm's backward"),
+]  # fmt: skip
+
+
+def _path_class(c: dict[str, Any], module: str) -> dict[str, Any] | None:
+    """The op class from where along ``module``'s (a decoder layer's) backward its parameters leave
+    their band (``_LAYER_PATH``); None when the layer's parameters do not show a first stage."""
+    rows = {p["name"][len(module) + 1:].rsplit(".", 1)[0]: p for p in c["params"] if p["name"].startswith(module + ".")}
+    seen = []
+    for names, cls, where in _LAYER_PATH:
+        got = [rows[n] for n in names.split("|") if n in rows]
+        if not got:
+            return None
+        bad = [p for p in got if p["class"] == "beyond_noise"]
+        if bad:
+            w = max(bad, key=lambda p: p["excess"])
+            clean = ", ".join(seen) or "none"
+            return {"class": cls, "text": f"{module}'s backward leaves its band first at {w['name']} ({w['excess']:.1f}x its "
+                                          f"band) while the gradients it reaches before are within noise ({clean}): "
+                                          f"the error is born in {where}"}  # fmt: skip
+        seen += [n.split(".")[-1] for n in names.split("|")]
+    return None
+
+
 def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_rows: list[dict[str, Any]],
              margin: float) -> dict[str, Any]:  # fmt: skip
     rows = []
@@ -155,14 +227,32 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
         ex = explained.get(b["run"])
         if ex:
             top = ex["classes"][0]
-            rows.append({"run": b["run"], "class": ex["top"] if top["share_only"] >= 0.5 else None, "share": top["share_only"],
-                         "source": "explain", "text": ex["text"]})  # fmt: skip
+            row = {"run": b["run"], "class": ex["top"] if top["share_only"] >= 0.5 else None, "share": top["share_only"],
+                   "source": "explain", "text": ex["text"]}  # fmt: skip
+            path = _path_class(by_name[b["run"]], b["module"]) if b.get("direction") == "backward" else None
+            if row["class"] is None and path:
+                row.update({"class": path["class"], "source": "explain, then the gradient path",
+                            "text": f"no op class's rounding reproduces the error (best {ex['top']}, {top['share_only']:.0%}): "
+                                    f"a wrong result, not a precision; {path['text']}"})  # fmt: skip
+            if row["class"] is None:
+                row["short"] = "no op class's rounding reproduces the error: a wrong result, not a precision"
+                row["why"] = (f"no op class's rounding reproduces half of the error in {b['module']} (best: {ex['top']}, "
+                              f"{top['share_only']:.0%} in {ex.get('format', 'the capture format')}): not one op class "
+                              "computed in too low a precision but a wrong result (a mask, a sign, an index, a missing "
+                              "term), which rounding cannot reproduce")  # fmt: skip
+                row["settle"] = (f"capture {b['module']}'s sub-modules too (ORACLE_CAPTURE_MODULES="
+                                 f"'{_sub_modules(b['module'])}') so that the local replay names the one (attention core, "
+                                 "rotary, norm, MLP) whose backward is wrong")  # fmt: skip
+                row["text"] = f"undetermined: {row['why']}; to settle it, {row['settle']} ({ex['text']})"
+            rows.append(row)
             continue
         c = by_name[b["run"]]
         p = _param_row(c, b.get("onset_param") or "")
         if p is None or p.get("cosine") is None:
-            rows.append({"run": b["run"], "class": None, "share": None, "source": None,
-                         "text": "not determined: no module boundaries were captured (explain needs them)"})  # fmt: skip
+            why, settle = "no module boundaries were captured (explain needs them)", CAPTURE_LAYERS
+            rows.append({"run": b["run"], "class": None, "share": None, "source": None, "why": why, "settle": settle,
+                         "short": "no module boundaries captured",
+                         "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
             continue
         sin = math.sqrt(max(0.0, 1.0 - min(1.0, p["cosine"]) ** 2))
         off = abs(p["norm_ratio"] - 1.0)
@@ -174,9 +264,11 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
                                  "a scaling or reduction op (a loss or gradient scale, a sum counted twice); the op-level "
                                  "attribution (explain) needs module boundaries"})  # fmt: skip
         else:
-            rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature",
-                         "text": f"not a plain scale ({p['name']}: cosine {p['cosine']:.6f}, norm ratio {p['norm_ratio']:.6g}); "
-                                 "which op class needs module boundaries (capture --modules, then explain)"})  # fmt: skip
+            why = (f"no module boundaries were captured and the gradient's signature is not a plain scale ({p['name']}: "
+                   f"cosine {p['cosine']:.6f}, norm ratio {p['norm_ratio']:.6g})")  # fmt: skip
+            rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature", "why": why,
+                         "settle": CAPTURE_LAYERS, "short": "no module boundaries captured, not a plain scale",
+                         "text": f"undetermined: {why}; to settle it, {CAPTURE_LAYERS}"})  # fmt: skip
     return {
         "per_run": rows,
         "text": "; ".join(f"{r['run']}: {r['class'] or 'undetermined'}" for r in rows) or "no error to explain",
@@ -204,17 +296,19 @@ def not_concluded(score, local, runs, logs) -> list[str]:
     return out
 
 
-def headline(noise_a: dict, born_a: dict, ops: dict) -> str:
+def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None) -> str:
     faulty = noise_a["faulty"]
+    tail = f"; {fw['text']}" if fw and fw.get("text") else ""
     if not faulty:
-        return "answer: both runs are honest noise of their own precision; no bug is shown by this step"
+        return "answer: both runs are honest noise of their own precision; no device bug is shown by this step" + tail
     parts = []
     for run in faulty:
         b = next((r for r in born_a["per_run"] if r["run"] == run), {})
         o = next((r for r in ops["per_run"] if r["run"] == run), {})
         where = f"born in {b['module']} ({b.get('direction') or 'direction unknown'})" if b.get("module") else "not localised"
-        parts.append(f"{run} is faulty (beyond its own noise band); {where}; op class: {o.get('class') or 'undetermined'}")
-    return "answer: " + "; ".join(parts)
+        cls = o.get("class") or (f"undetermined ({o['short']}; see 4.)" if o.get("short") else "undetermined")
+        parts.append(f"{run} is faulty (beyond its own noise band); {where}; op class: {cls}")
+    return "answer: " + "; ".join(parts) + tail
 
 
 def build(
@@ -228,9 +322,10 @@ def build(
     a3 = born(score, local, m)
     a4 = op_class(score, explained, a3["per_run"], m)
     a1b = bound_mod.annotate(score, {c["name"]: c.get("num_tokens") for c in score["captures"]})
+    fw = framework(score)
     return {
-        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4), "runs": runs,
-        "answers": {"noise": a1, "bound": a1b, "farther": a2, "born": a3, "op_class": a4},
+        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4, fw), "runs": runs,
+        "answers": {"noise": a1, "bound": a1b, "farther": a2, "born": a3, "op_class": a4, "framework": fw},
         "not_concluded": not_concluded(score, local, runs, logs), "logs": logs,
         "score": score, "local": local, "explain": explained,
     }  # fmt: skip

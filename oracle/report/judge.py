@@ -38,7 +38,11 @@ def _per_run_lines(key: str, a: dict[str, Any]) -> list[str]:
             out.append(f"   {r['run']}: {where}{r['evidence']}")
             out += [f"   {r['run']} framework: {f}" for f in r["framework"]]
         elif key == "op_class":
-            out.append(f"   {r['run']}: {r['class'] or 'undetermined'} ({r['source'] or 'no evidence'}): {r['text']}")
+            if r["class"] is None and r.get("why"):  # why not, and what capture would settle it
+                out.append(f"   {r['run']}: undetermined ({r['source'] or 'no evidence'}): {r['why']}")
+                out.append(f"   {r['run']}: to settle it, {r['settle']}")
+            else:
+                out.append(f"   {r['run']}: {r['class'] or 'undetermined'} ({r['source'] or 'no evidence'}): {r['text']}")
     return out
 
 

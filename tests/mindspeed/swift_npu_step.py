@@ -83,6 +83,7 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
         if not hasattr(args, k):
             setattr(args, k, v)
     adaptor.repatch(dict(vars(args)))
+    planted = mindspeed_ops.install_faults()  # test-only patches on MindSpeed's Python (TORCH_NPU_STANDIN_FAULTS)
     standins.set_args(args)
     init_ranks(tp)
     torch.use_deterministic_algorithms(True)
@@ -98,6 +99,7 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
     model = model_provider(pre_process=True, post_process=True)
     model.model_type = ModelType.encoder_or_decoder
     MultimodalGPTBridge().load_weights(model, model_dir)
+    planted += mindspeed_ops.unmark_final_norm(model)
     config = get_model_config(model)
     from megatron.core.transformer.module import Float16Module
 
@@ -132,6 +134,7 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
     save_file(grads, os.path.join(out, "raw", f"grads_post.rank{rank}.safetensors"))
 
     report = {"ops_called": dict(npu_ops.CALLS), "tnd_actual_seq_qlen": attention.TND_SEQ_QLEN,
+              "faults_installed": planted, "fault_calls": dict(npu_ops.faults.calls),
               "names": list(grads), "torch_npu_touched": torch_npu.touched(),
               "reported": {k: [float(x) for x in v] for k, v in (losses[0] if losses else {}).items()},
               "grads_sha256": {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for n, t in grads.items()},

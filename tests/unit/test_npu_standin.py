@@ -214,8 +214,13 @@ def _attn_tnd(a, b, c):
                                         actual_seq_qlen=CU, actual_seq_kvlen=CU)[0]  # fmt: skip
 
 
+def _attn_sbh(a, b, c):  # MindSpeed's unpacked call: SBH, causal (sparse_mode 2)
+    return npu_ops.npu_fusion_attention(a, b, c, 4, "SBH", scale=0.3, sparse_mode=2)[0]
+
+
 FAULT_CASES = {
     "attention_cross_boundary": (_attn_tnd, lambda: (_rand(16, 4, 8), _rand(16, 2, 8, seed=2), _rand(16, 2, 8, seed=3))),
+    "attention_causal_leak": (_attn_sbh, lambda: (_rand(6, 1, 32), _rand(6, 1, 16, seed=2), _rand(6, 1, 16, seed=3))),
     "rotary_sin_sign": (lambda a, c, s: npu_ops.npu_rotary_position_embedding(a, c, s, 0),
                         lambda: (_rand(5, 2, 8), _rand(5, 1, 8, seed=2), _rand(5, 1, 8, seed=3))),
 }  # fmt: skip
@@ -270,3 +275,19 @@ def test_a_fault_at_call_k_hits_only_that_backward_call_and_is_read_from_the_env
     monkeypatch.setenv(faults.ENV, "attention_sideways")
     with pytest.raises(ValueError, match="unknown fault 'attention_sideways'; the stand-in plants attention_cross_boundary"):
         faults.validate()
+
+
+def test_the_causal_leak_lets_each_query_see_the_next_key_in_the_backward_only():
+    """attention_causal_leak (unpacked layouts): the forward is bitwise the honest one; the backward drops the
+    causal mask, so dQ changes at every query that has a key after it (0..S-2), not at the last; only
+    non-TND calls are counted."""
+    a, b, c = (_rand(6, 1, 32), _rand(6, 1, 16, seed=2), _rand(6, 1, 16, seed=3))
+    out, gs = _grads(_attn_sbh, a, b, c)
+    faults.reset_counts()
+    with faults.planted("attention_causal_leak"):
+        fout, fgs = _grads(_attn_sbh, a, b, c)
+        _grads(*FAULT_CASES["attention_cross_boundary"][:1], *FAULT_CASES["attention_cross_boundary"][1]())  # TND
+    assert torch.equal(out, fout)
+    rows = sorted(set((gs[0] != fgs[0]).any(-1).any(-1).nonzero().flatten().tolist()))  # SBH: dim 0 is the token
+    assert rows == [0, 1, 2, 3, 4]
+    assert faults.calls["attention_causal_leak"] == 1

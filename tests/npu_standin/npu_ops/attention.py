@@ -88,16 +88,20 @@ def _from_bnsd(o, layout):
     return o.squeeze(0).transpose(0, 1)  # (1, N, T, D) -> TND (T, N, D)
 
 
-def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_boundary=False):
+def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_boundary=False, causal_leak=False):
     """Boolean (B|1, 1, S_q, S_kv): which keys each query sees. In TND the samples' blocks on the
-    diagonal, each shaped by the mode; ``cross_boundary`` (the planted fault) also lets each sample's
-    first query see the previous sample's last key."""
+    diagonal, each shaped by the mode; ``cross_boundary`` (a planted fault) also lets each sample's
+    first query see the previous sample's last key. Other layouts: ``causal_leak`` (a planted
+    fault) drops the causal mask: every query also sees the keys after it."""
     if layout != "TND":
         m = mask
         if m is not None and m.dim() == 2:
             m = m[None, None]
         ok = _sample_allowed(sq, skv, mode, pre, nxt, m, device)
-        return ok if ok.dim() == 4 else ok[None, None]
+        ok = ok if ok.dim() == 4 else ok[None, None]
+        if causal_leak:  # the causal mask dropped: each query also sees every key after it
+            ok = torch.ones_like(ok)
+        return ok
     if qlen is None or kvlen is None:
         raise ValueError("npu_fusion_attention: TND layout needs actual_seq_qlen and actual_seq_kvlen")
     qs, ks = _segments(qlen, sq, "actual_seq_qlen"), _segments(kvlen, skv, "actual_seq_kvlen")
@@ -153,8 +157,11 @@ class _FusionAttention(torch.autograd.Function):
 
         q, k, v, o = ctx.saved_tensors
         ok, scale, layout, rebuild = ctx.meta
-        if layout == "TND" and faults.hit("attention_cross_boundary"):
-            ok = rebuild()
+        if layout == "TND":
+            if faults.hit("attention_cross_boundary"):
+                ok = rebuild(cross=True)
+        elif faults.hit("attention_causal_leak"):
+            ok = rebuild(leak=True)
         c = compute_dtype(q, k, v)
         qb, kb, vb, do = (_to_bnsd(t, layout).to(c) for t in (q, k, v, dout))
         n, nkv = qb.shape[1], kb.shape[1]
@@ -206,12 +213,11 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
         raise ValueError(f"npu_fusion_attention: head_num {n} does not match the query's {tuple(query.shape)} ({layout})")
     sq, skv = _to_bnsd(query, layout).shape[2], _to_bnsd(key, layout).shape[2]
 
-    def build(cross=False):
+    def build(cross=False, leak=False):
         return _allowed(layout, sq, skv, int(sparse_mode), int(pre_tockens), int(next_tockens), atten_mask,
-                        actual_seq_qlen, actual_seq_kvlen, query.device, cross_boundary=cross)  # fmt: skip
+                        actual_seq_qlen, actual_seq_kvlen, query.device, cross_boundary=cross, causal_leak=leak)  # fmt: skip
 
-    out, mx, sm = _FusionAttention.apply(query, key, value, build(), float(scale), layout,
-                                         lambda: build(cross=True))  # fmt: skip
+    out, mx, sm = _FusionAttention.apply(query, key, value, build(), float(scale), layout, build)
     if layout == "TND":  # stats (1, N, T, 1) -> (T, N, 1)
         mx, sm = (t.squeeze(0).transpose(0, 1) for t in (mx, sm))
     return out, mx.expand(*mx.shape[:-1], 8).contiguous(), sm.expand(*sm.shape[:-1], 8).contiguous(), \

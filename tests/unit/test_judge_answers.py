@@ -1,0 +1,79 @@
+"""The judge's answers from score results (oracle/pipeline/answers.py), on hand-made rows: the op class
+read from where a decoder layer's backward leaves its band, the reason and the settling capture when
+no class is determined, and framework findings split into one run's and both runs'."""
+
+from oracle.pipeline import answers
+
+L1 = "model.language_model.layers.1"
+PARAMS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layernorm", "self_attn.o_proj", "self_attn.v_proj",
+          "self_attn.q_norm", "self_attn.k_norm", "self_attn.q_proj", "self_attn.k_proj", "input_layernorm"]  # fmt: skip
+
+
+def _capture(beyond: set[str], module: str = L1, framework: list[str] = ()) -> dict:
+    rows = [{"name": f"{module}.{p}.weight", "class": "beyond_noise" if p in beyond else "within_noise",
+             "excess": 9.0 if p in beyond else 0.5} for p in PARAMS]  # fmt: skip
+    fw = {"params": [{"name": n} for n in framework], "text": "framework finding"} if framework else None
+    return {"name": "B", "params": rows, "framework": fw}
+
+
+def _explained(share: float = 0.01) -> dict:
+    return {"B": {"top": "elementwise", "classes": [{"share_only": share}], "text": "explain's own text", "format": "bf16"}}
+
+
+def _born(module: str = L1, direction: str = "backward") -> list[dict]:
+    return [{"run": "B", "module": module, "direction": direction}]
+
+
+def test_the_first_stage_beyond_noise_along_the_layers_backward_names_the_op_class():
+    """V within noise and the q/k norms beyond: rotary; V beyond (o_proj within): attention; down_proj: matmul."""
+    cases = {"rotary": {"self_attn.q_norm", "self_attn.k_norm", "self_attn.q_proj", "self_attn.k_proj", "input_layernorm"},
+             "attention": {"self_attn.v_proj", "self_attn.q_norm", "self_attn.q_proj", "input_layernorm"},
+             "matmul": set(PARAMS), "normalisation": {"self_attn.q_proj", "self_attn.k_proj", "input_layernorm"}}  # fmt: skip
+    for want, beyond in cases.items():
+        r = answers.op_class({"captures": [_capture(beyond)]}, _explained(), _born(), 3.0)["per_run"][0]
+        assert r["class"] == want and r["source"] == "explain, then the gradient path", (want, r)
+    # a class explain finds (>= 50 % of the error) is kept; a forward fault is not read along the backward
+    r = answers.op_class({"captures": [_capture({"self_attn.v_proj"})]}, _explained(0.8), _born(), 3.0)["per_run"][0]
+    assert r["class"] == "elementwise" and r["source"] == "explain"
+    r = answers.op_class({"captures": [_capture({"self_attn.v_proj"})]}, _explained(), _born(direction="forward"), 3.0)
+    assert r["per_run"][0]["class"] is None
+
+
+def test_an_undetermined_op_class_says_why_and_which_capture_settles_it():
+    """A culprit outside a decoder layer with no class explaining it: why (a wrong result, not a precision)
+    and the sub-module capture that settles it, in the row, in the report's section 4 and the first line."""
+    mod = "model.visual.blocks.1"
+    r = answers.op_class({"captures": [_capture(set(), module=mod)]}, _explained(), _born(mod), 3.0)["per_run"][0]
+    assert r["class"] is None
+    assert r["why"] == ("no op class's rounding reproduces half of the error in model.visual.blocks.1 (best: elementwise, "
+                        "1% in bf16): not one op class computed in too low a precision but a wrong result (a mask, a "
+                        "sign, an index, a missing term), which rounding cannot reproduce")  # fmt: skip
+    assert r["settle"].startswith(
+        "capture model.visual.blocks.1's sub-modules too (ORACLE_CAPTURE_MODULES='visual\\.blocks\\.1\\..*')")
+    head = answers.headline({"faulty": ["B"]}, {"per_run": [{"run": "B", "module": mod, "direction": "backward"}]},
+                            {"per_run": [r]})  # fmt: skip
+    assert head == ("answer: B is faulty (beyond its own noise band); born in model.visual.blocks.1 (backward); "
+                    "op class: undetermined (no op class's rounding reproduces the error: a wrong result, not a "
+                    "precision; see 4.)")  # fmt: skip
+    from oracle.report.judge import _per_run_lines
+
+    lines = _per_run_lines("op_class", {"per_run": [r]})
+    assert lines[0].startswith("   B: undetermined (explain): no op class's rounding") and lines[1].startswith(
+        "   B: to settle it, capture model.visual.blocks.1's sub-modules too")  # fmt: skip
+    # without module boundaries: the capture that settles it is one with them
+    r = answers.op_class({"captures": [{"name": "B", "params": []}]}, {}, _born(), 3.0)["per_run"][0]
+    assert r["class"] is None and r["why"] == "no module boundaries were captured (explain needs them)"
+    assert r["settle"].startswith("capture both runs again with module boundaries (ORACLE_CAPTURE_MODULES=layers")
+
+
+def test_framework_findings_are_split_into_one_runs_and_both_runs():
+    """A gradient left unreduced in one run only is named for that run; those in both are the framework's alike."""
+    a = dict(_capture(set(), framework=["model.visual.blocks.0.attn.qkv.weight"]), name="A")
+    b = _capture(set(), framework=["model.visual.blocks.0.attn.qkv.weight", "model.language_model.norm.weight"])
+    fw = answers.framework({"captures": [a, b]})
+    assert fw["shared"] == ["model.visual.blocks.0.attn.qkv.weight"]
+    assert fw["only"] == {"A": [], "B": ["model.language_model.norm.weight"]}
+    assert fw["text"] == ("framework finding in B only: 1 gradient(s) never reduced across TP ranks "
+                          "(model.language_model.norm.weight); in A and B alike: 1 gradient(s) never reduced "
+                          "across TP ranks")  # fmt: skip
+    assert answers.framework({"captures": [dict(a, framework=None), dict(b, framework=None)]})["text"] == ""
