@@ -240,6 +240,7 @@ class BundleWriter:
         try:
             if move:
                 os.replace(src, dst)
+                os.chmod(dst, self._mode)  # a shard written by safetensors is 0600 whatever the umask
             else:
                 try:
                     os.link(src, dst)
