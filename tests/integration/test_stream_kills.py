@@ -120,3 +120,28 @@ def test_a_work_folder_of_another_command_or_not_ours_is_named_and_kept(fp32_cap
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"{foreign} is kept" in r.stderr and "not a work folder of this tool" in r.stderr, r.stderr
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_a_streamed_replay_stopped_while_publishing_keeps_every_shard_for_its_rerun(fp32_capture, oracle_bundle, tmp_path, monkeypatch):
+    """Stopped inside the bundle's publish (its shards already in the writer's temporary), the work
+    folder still holds every journalled shard: the rerun recomputes nothing and equals the in-memory oracle."""
+    from oracle.bundle import atomic
+
+    out = tmp_path / "o"
+
+    def stopped(*a, **k):
+        raise RuntimeError("stopped while publishing")
+
+    monkeypatch.setattr(atomic, "publish", stopped)
+    try:
+        replay(fp32_capture, out, dtype="fp64", max_memory=8 << 30)
+    except RuntimeError:
+        pass
+    monkeypatch.undo()
+    assert not out.exists() and (tmp_path / ".o.partial" / "grads" / "end.json").is_file()
+    replay(fp32_capture, out, dtype="fp64", max_memory=8 << 30)
+    streaming = Bundle(out).get("streaming")
+    assert streaming["resumed"] and "recomputed" not in streaming, streaming
+    a, b = Bundle(out).load_group("grads"), Bundle(oracle_bundle).load_group("grads")
+    assert sorted(a) == sorted(b) and [n for n in a if not torch.equal(a[n], b[n])] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]

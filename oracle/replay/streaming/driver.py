@@ -156,10 +156,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 if not workdir.FILE_NAME.fullmatch(str(rec.get("file"))):  # never a path out of the folder
                     raise BundleError(f"{work / member / JOURNAL_NAME}: a record names {rec.get('file')!r}; "
                                       f"delete {work} and run again")  # fmt: skip
-                src = work / member / rec["file"]
-                dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
-                src.rename(dst)
-                w.adopt(member, dst, rec["entries"], move=True)
+                # linked, not moved: killed before the bundle is published, a rerun still finds every shard
+                w.adopt(member, work / member / rec["file"], rec["entries"], own=True,
+                        fname=f"{member}-{rec['file'].split('-')[-1]}")  # fmt: skip
         w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
     shutil.rmtree(work, ignore_errors=True)
     distributed.finish()
