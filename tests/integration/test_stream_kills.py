@@ -145,3 +145,38 @@ def test_a_streamed_replay_stopped_while_publishing_keeps_every_shard_for_its_re
     a, b = Bundle(out).load_group("grads"), Bundle(oracle_bundle).load_group("grads")
     assert sorted(a) == sorted(b) and [n for n in a if not torch.equal(a[n], b[n])] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_the_app_invoked_inside_another_program_never_execs_it(fp32_capture, tmp_path, monkeypatch):
+    """A streamed replay restarts its process with huge pages only when that process is the command
+    line itself: invoked in-process (CliRunner, a test session) it replays where it is."""
+    from helpers import invoke
+
+    monkeypatch.delenv("ORACLE_HUGE_PAGES", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def execve(*a):
+        raise AssertionError(f"the host process was exec'd: {a[1][:3]}")
+
+    monkeypatch.setattr(os, "execve", execve)
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G")
+    assert res.exit_code == 0 and Bundle(tmp_path / "o").kind == "oracle", res.output
+
+
+def test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise(fp32_capture, tmp_path):
+    """Killed after layers.3's input gradients were dropped but before layers.2's shard: layers.2 is
+    recomputed on resume and still receives layers.3's input gradients (dropped only once every unit
+    producing them is finished), so the result equals an uninterrupted run bitwise."""
+    out, whole = tmp_path / "o", tmp_path / "whole"
+    args = ("--dtype", "amp-bf16", "--max-memory", "1G")
+    journal = tmp_path / ".o.partial" / "grads" / "journal.jsonl"
+    # records: unit lm_head, call layers.3, unit layers.3, call layers.2, then (before the fix) drop layers.3
+    r = subprocess.run(_cmd(fp32_capture, out, *args), cwd=ROOT, env=_env(**{KILL_ENV: "0:5:any"}), capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    kinds = [(d["kind"], d["unit"]) for d in map(json.loads, journal.read_text().splitlines())]
+    assert ("drop", "model.language_model.layers.3") not in kinds[:-1] or ("unit", "model.language_model.layers.2") in kinds, kinds
+    for o in (out, whole):
+        r = subprocess.run(_cmd(fp32_capture, o, *args), cwd=ROOT, env=_env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = Bundle(out).load_group("grads"), Bundle(whole).load_group("grads")
+    assert [n for n in b if not torch.equal(a[n], b[n])] == []
