@@ -226,14 +226,17 @@ class BundleWriter:
         if shard or k == 0:
             self.add(group, shard, shard=k + 1 if k else None)
 
-    def adopt(self, group: str, src: str | os.PathLike, entries: Mapping[str, Mapping[str, Any]], *, move: bool = False) -> None:
-        """Take a finished safetensors file into the bundle as it is (hard link, else copy; ``move``:
-        rename) with its manifest ``entries`` (name -> {dtype, shape, sha256, value_sha256}): a replay
-        carries the capture's inputs and weights, and the streaming replay its gradient shards, file
-        by file without loading them."""
+    def adopt(self, group: str, src: str | os.PathLike, entries: Mapping[str, Mapping[str, Any]], *, move: bool = False,
+              own: bool = False, fname: str | None = None) -> None:  # fmt: skip
+        """Take a finished safetensors file into the bundle as it is with its manifest ``entries`` (name ->
+        {dtype, shape, sha256, value_sha256}), as ``fname`` (default: its own name): a replay carries the
+        capture's inputs and weights (hard link, else copy: the capture's files, modes untouched), the
+        streaming replay its gradient shards (``own``: hard link, else rename, so that its work folder
+        keeps them until the bundle is published; ``move``: rename), file by file without loading them.
+        Files of this writer's own (``own``, ``move``) get the bundle's mode, 0666 less the umask."""
         assert self._tmp is not None, "BundleWriter must be used as a context manager"
         src = Path(src)
-        fname = src.name
+        fname = fname or src.name
         if fname in self._files:
             raise ValueError(f"{fname} written twice")
         dst = self._tmp / fname
@@ -244,7 +247,12 @@ class BundleWriter:
                 try:
                     os.link(src, dst)
                 except OSError:
-                    shutil.copyfile(src, dst)
+                    if own:  # no hard links here: the file itself (a rerun recomputes what it held)
+                        os.replace(src, dst)
+                    else:
+                        shutil.copyfile(src, dst)
+            if move or own:
+                os.chmod(dst, self._mode)  # a shard written by safetensors is 0600 whatever the umask
         except OSError as e:
             raise OutputError(f"cannot write {self.path / fname}: {e.strerror or e}") from None
         group_entries = self.manifest["tensors"].setdefault(group, {})

@@ -201,7 +201,7 @@ def replay(
     opts = ReplayOptions(capture=capture, out=out, dtype=dtype.value, ensemble=ensemble, verify=verify, directions=directions,
                          local=local, modules=modules, workers=workers, members=members, max_memory=max_memory,
                          threads=threads, dry_run=dry_run, nproc=nproc, split=split, overwrite=overwrite)  # fmt: skip
-    if opts.max_memory is not None and opts.nproc == 1 and not opts.dry_run:
+    if opts.max_memory is not None and opts.nproc == 1 and not opts.dry_run and _PROGRAM:  # never exec a host process
         from oracle.replay.streaming import pages
 
         pages.restart(sys.orig_argv)  # this process again, malloc on huge pages (returns where not wanted)
@@ -461,7 +461,12 @@ def doctor(
     raise typer.Exit(code=code)
 
 
+_PROGRAM = False  # True when this process is the command line (main), not an app invoked inside another program
+
+
 def main() -> None:  # console script entry point
+    global _PROGRAM
+    _PROGRAM = True  # the streamed replay may restart this process with huge pages (pages.restart)
     try:
         app()
     except KeyboardInterrupt:  # outside a command (start-up, argument parsing)

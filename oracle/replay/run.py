@@ -203,6 +203,7 @@ def replay(
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
             carry_inputs_and_weights(cap, w)
             w.add("grads", grads)
+        _settle(cap, Path(out), dtype, ensemble)
         distributed.finish()
         return Path(out)
 
@@ -251,5 +252,16 @@ def replay(
             },  # fmt: skip
             seconds=round(time.perf_counter() - t0, 3),
         )
+    _settle(cap, Path(out), dtype, ensemble)
     distributed.finish()
     return Path(out)
+
+
+def _settle(cap: Bundle, out: Path, dtype: str, ensemble: int) -> None:
+    """``out`` is published by an in-memory replay: a killed streamed run's work folder of this step and
+    command beside it is removed, any other named (oracle/replay/streaming/workdir.py ``settle``)."""
+    from .streaming import workdir
+    from .streaming.driver import work_header
+
+    for note in workdir.settle(out, work_header(cap, dtype, ensemble, out)):
+        print(f"note: {note}", file=sys.stderr, flush=True)

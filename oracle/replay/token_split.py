@@ -270,7 +270,7 @@ def run(cap, run_step):
 # shards (each parameter's gradient over its tokens). Collectives happen only inside the decoder
 # layers' attention (K/V gathered in the forward and again in the recomputation, dK/dV returned) and
 # once between forward and backward (``agree``); rank 0 sums the partial shards at the end.
-KILL_ENV = "ORACLE_TEST_KILL"  # "R:N": rank R SIGKILLs itself once its N-th unit is journalled (fault tests)
+KILL_ENV = "ORACLE_TEST_KILL"  # "R:N[:any]": rank R SIGKILLs itself once its N-th unit (record) is journalled (fault tests)
 
 
 def agree(engine) -> None:
@@ -300,25 +300,32 @@ def agree(engine) -> None:
     engine.agreed = skip
 
 
+_KILL_SEEN = [0]  # records counted so far in this process, over all members' journals
+
+
 def kill_hook(journal, me: int) -> None:
-    """Fault injection for tests (``ORACLE_TEST_KILL=R:N``): rank R is SIGKILLed right after the N-th
-    unit record this run journals, a point every run reaches (no timer, nothing racy)."""
+    """Fault injection for tests (``ORACLE_TEST_KILL=R:N[:any]``): rank R is SIGKILLed right after the
+    N-th unit record this process journals (``:any``: the N-th record of any kind: a call's input
+    gradients, a drop, a unit's shard), counted over all the members it replays, a point every run
+    reaches (no timer, nothing racy). Installed on every streamed engine's journal (driver.py)."""
     import os
     import signal
 
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
-    rank, n = (int(x) for x in spec.split(":"))
+    parts = spec.split(":")
+    rank, n = int(parts[0]), int(parts[1])
+    every = len(parts) > 2 and parts[2] == "any"
     if rank != me:
         return
-    append, seen = journal._append, [0]
+    append = journal._append
 
     def killing(rec: dict) -> None:
         append(rec)
-        if rec.get("kind") == "unit":
-            seen[0] += 1
-            if seen[0] == n:
+        if every or rec.get("kind") == "unit":
+            _KILL_SEEN[0] += 1
+            if _KILL_SEEN[0] == n:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     journal._append = killing

@@ -22,13 +22,14 @@ from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, RecipeError, UsageError
 from ...parallel import distributed
 from ...precision.mode import PrecisionMode
+from .. import token_split
 from . import budget as budgets
 from . import workdir
 from .engine import JOURNAL as JOURNAL_NAME
 from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
 
 
-def _header(cap: Bundle, dtype: str, ensemble: int, out: Path, split: str = "tensor") -> dict[str, Any]:
+def work_header(cap: Bundle, dtype: str, ensemble: int, out: Path, split: str = "tensor") -> dict[str, Any]:
     """What a work folder must have been made for to be resumed: this step, this command, this version."""
     from ...version import __version__
 
@@ -62,7 +63,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     inputs = load_inputs(cap, compute)  # validated (packed boundaries) before any work folder exists
     work, adopted = work_dir(
         out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"),
-        _header(cap, dtype, ensemble, out, "tokens" if by_tokens else "tensor"),
+        work_header(cap, dtype, ensemble, out, "tokens" if by_tokens else "tensor"),
         overwrite=overwrite,
     )
     if by_tokens:
@@ -87,6 +88,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
                               progress=progress and distributed.is_main(),
                               **({} if token_chunk is None else {"token_chunk": token_chunk}))  # fmt: skip
+        token_split.kill_hook(engine.journal, distributed.rank())  # fault injection for tests only (ORACLE_TEST_KILL)
         resumed = resumed or bool(engine.journal.units or engine.journal.calls)
         if engine.journal.note:
             notes.append(engine.journal.note)
@@ -154,10 +156,9 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 if not workdir.FILE_NAME.fullmatch(str(rec.get("file"))):  # never a path out of the folder
                     raise BundleError(f"{work / member / JOURNAL_NAME}: a record names {rec.get('file')!r}; "
                                       f"delete {work} and run again")  # fmt: skip
-                src = work / member / rec["file"]
-                dst = work / member / f"{member}-{rec['file'].split('-')[-1]}"
-                src.rename(dst)
-                w.adopt(member, dst, rec["entries"], move=True)
+                # linked, not moved: killed before the bundle is published, a rerun still finds every shard
+                w.adopt(member, work / member / rec["file"], rec["entries"], own=True,
+                        fname=f"{member}-{rec['file'].split('-')[-1]}")  # fmt: skip
         w.manifest["seconds"] = round(time.perf_counter() - t0, 3)
     shutil.rmtree(work, ignore_errors=True)
     distributed.finish()

@@ -31,7 +31,10 @@ Resume: everything lives in a work directory beside ``--out`` (``.NAME.partial``
 After each unit's backward, its gradient shard and the gradients it sent to its inputs are written
 and journalled. A replay killed at any point and started again with the same command and the same
 thread count reruns the forward (deterministic) and, for every journalled unit, returns the stored
-input gradients instead of recomputing it: it ends bitwise identical to an uninterrupted run.
+input gradients instead of recomputing it: it ends bitwise identical to an uninterrupted run. For
+emulated members the stored input gradients carry whether amp held them in low precision (the sums
+they meet round as before), and the jitter stream is reseeded after every unit call's backward
+(``_reseed``), so what the glue between units draws does not depend on which units were skipped.
 Split by tokens over ranks (oracle/replay/token_split.py), ``agreed`` replaces the journal's own
 finished units by those every rank finished (set by ``before_backward``, after the forward), so
 that all ranks recompute, and exchange K/V for, the same units.
@@ -190,6 +193,7 @@ class StreamEngine:
             m._parameters[pname] = torch.nn.Parameter(t, requires_grad=True)
         self.store = ActivationStore(budget, work / f"{member}.spill")
         self.anchor = torch.zeros((), dtype=compute, requires_grad=True)  # makes every unit call differentiable
+        self._seed = mode._gen.initial_seed() if mode._gen is not None else None  # the member's jitter seed
         self.calls: dict[str, int] = {}
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.done_calls: dict[str, int] = {}
@@ -268,6 +272,8 @@ class StreamEngine:
         saved = self.journal.grad_inputs(call.unit, call.index)
         if saved is DROPPED:  # no longer needed: the units that would receive it are finished
             saved = [None] * len(call.requires)
+        elif saved is not None:  # amp emulation: what was held in low precision is again (the glue's
+            saved = [self.mode.mark_low(g) if low else g for g, low in saved]  # sums round as they did)
         skip = self.journal.unit_done(call.unit) if self.agreed is None else call.unit in self.agreed
         assert saved is not None or self.agreed is None or not skip, f"{call.unit} agreed finished, no input gradients"
         if saved is not None and skip:
@@ -275,6 +281,7 @@ class StreamEngine:
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
             if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
                 self.order += list(self.journal.units[call.unit]["entries"])  # journalled in completion order
+            self._reseed(call)
             self._tick("backward", call.unit)
             return saved
         if call.unit in self.by_rows:
@@ -293,11 +300,7 @@ class StreamEngine:
         seen: dict[str, None] = {}
         hooks = [p.register_post_accumulate_grad_hook(lambda _, n=f"{call.unit}.{n}": seen.setdefault(n))
                  for n, p in module.named_parameters()]  # fmt: skip
-        outer = None
-        if call.gen is not None:
-            # emulation: the recomputation draws the forward's jitter, and leaves the stream where it
-            # was, so that a resumed run, which skips finished units, draws what an uninterrupted one does
-            outer = self.mode._gen.get_state()
+        if call.gen is not None:  # emulation: the recomputation draws the forward's jitter (then _reseed)
             self.mode._gen.set_state(call.gen)
         with torch.enable_grad(), backward_only():  # the recomputed outputs are only backpropagated
             out = self._run(call, inputs)
@@ -309,8 +312,7 @@ class StreamEngine:
             finally:
                 for h in hooks:
                     h.remove()
-        if outer is not None:
-            self.mode._gen.set_state(outer)
+        self._reseed(call)
         grads = [x.grad if req else None for x, req in zip(inputs, call.requires)]
         acc = self.pending.setdefault(call.unit, {})
         for n, p in module.named_parameters():
@@ -321,14 +323,14 @@ class StreamEngine:
         del inputs, out, outs, pairs
         self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
         last = self.done_calls[call.unit] == self.calls[call.unit]
-        self.journal.record_call(call.unit, call.index, grads)
-        self._drop_consumed((call.unit, call.index))
+        self.journal.record_call(call.unit, call.index, grads, [self.mode._is_low(g) for g in grads])
         if last:
             acc = self.pending.pop(call.unit)
             done = [p for p in seen if p in acc] + [p for p in self.unit_params[call.unit] if p in acc and p not in seen]
             grads_of_unit = {p: acc[p] for p in done}  # journalled in that order: a resumed run reads it back
             self.order += done
             self.journal.write_unit(call.unit, grads_of_unit)
+            self._drop_consumed(call.unit)
         _trim()
         self._tick("backward", call.unit)
         return grads
@@ -356,8 +358,8 @@ class StreamEngine:
         del w, out
         self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
         grads = [None] * len(call.requires)
+        self._reseed(call)
         self.journal.record_call(call.unit, call.index, grads)
-        self._drop_consumed((call.unit, call.index))
         if self.done_calls[call.unit] == self.calls[call.unit] and self.journal.unit_done(call.unit):
             self.pending.pop(call.unit)  # recomputed for its exchanges' sake (token-parallel resume): written already
             self.order.append(call.unit + ".weight")
@@ -369,8 +371,21 @@ class StreamEngine:
             os.replace(path.with_suffix(".tmp"), path)
             self.order.append(name)
             self.journal.commit_file(call.unit, path, {name: entry})
+            self._drop_consumed(call.unit)
         self._tick("backward", call.unit)
         return grads
+
+    def _reseed(self, call: _Call) -> None:
+        """Emulation members: after a unit call's backward, skipped or recomputed, the jitter stream is
+        seeded from (the member's seed, unit, call index). The glue between units then draws the same
+        jitter in a resumed run as in an uninterrupted one: where a resumed run skips finished units,
+        the glue behind them sees dropped (absent) gradients and draws nothing, so a stream merely
+        continued would reach the first recomputed unit at another state (a kill in the vision
+        backward moved blocks.0, patch_embed and pos_embed: 15 of 104 gradients of grads.1)."""
+        if self.mode._gen is None:
+            return
+        key = hashlib.sha256(json.dumps([self._seed, call.unit, call.index]).encode()).digest()
+        self.mode._gen.manual_seed(int.from_bytes(key[:8], "little") >> 1)
 
     # -- what resume needs, held once --------------------------------------------------------------
     # A finished call's input gradients are journalled so that a resumed run can hand them on without
@@ -400,10 +415,16 @@ class StreamEngine:
         for p in producers:
             self.consumers.setdefault(p, []).append(call)
 
-    def _drop_consumed(self, done: tuple[str, int]) -> None:
-        for c in self.consumers.get(done, []):
-            if not c.keep and all(self.journal.call_recorded(*p) for p in c.producers):
-                self.journal.drop_call(c.unit, c.index)
+    def _drop_consumed(self, unit: str) -> None:
+        """``unit`` is finished (its shard journalled): the input gradients of the calls its calls fed are
+        dropped where every unit producing their inputs is finished too. Finished, not merely called:
+        a run killed between a unit's input gradients and its shard recomputes that unit on resume,
+        from the gradients its consumers sent it (dropping them at its call record lost them: 91 of
+        104 gradients differed after a kill right after such a drop)."""
+        for i in range(self.calls.get(unit, 0)):
+            for c in self.consumers.get((unit, i), []):
+                if not c.keep and all(self.journal.unit_done(p[0]) for p in c.producers):
+                    self.journal.drop_call(c.unit, c.index)
 
     # -- the head ----------------------------------------------------------------------------------
     def _prepare_head(self, head: torch.nn.Module):
@@ -504,7 +525,9 @@ class _Journal:
         self.dropped.add((unit, index))
         (self.dir / f).unlink(missing_ok=True)
 
-    def grad_inputs(self, unit: str, index: int) -> list[torch.Tensor | None] | None:
+    def grad_inputs(self, unit: str, index: int) -> list[tuple[torch.Tensor | None, bool]] | None:
+        """A finished call's input gradients, each with whether the emulation held it in low precision
+        (amp: ``PrecisionMode.mark_low``); DROPPED, or None where the call is not journalled."""
         if (unit, index) in self.dropped:
             return DROPPED
         f = self.calls.get((unit, index))
@@ -512,14 +535,19 @@ class _Journal:
             return None
         d = load_file(str(self.dir / f))
         n = int(d.pop("__n__").item())
-        return [d.get(str(i)) for i in range(n)]
+        low = d.pop("__low__", torch.zeros(n, dtype=torch.bool)).tolist()
+        return [(d.get(str(i)), bool(low[i])) for i in range(n)]
 
-    def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None]) -> None:
+    def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None], low: list[bool] | None = None) -> None:
+        """Journal a finished call's input gradients and, for amp emulation, which were held in low
+        precision: a resumed run hands them on marked alike, so the sums they meet in the glue round
+        (and draw a member's jitter) as an uninterrupted run's do."""
         if self.call_recorded(unit, index):
             return
         f = f"gin-{_slug(unit)}-{index}.safetensors"
         tensors = {str(i): g for i, g in enumerate(grads) if g is not None}
         tensors["__n__"] = torch.tensor(len(grads))
+        tensors["__low__"] = torch.tensor([bool(x) for x in low] if low else [False] * len(grads), dtype=torch.bool)
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
         sha = {k: tensor_sha256(t) for k, t in tensors.items()}

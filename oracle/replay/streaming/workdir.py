@@ -20,6 +20,10 @@ the user's own, another tool's, a run of another step, or ours but damaged. Rule
   (as if killed there). The journal is cut back to the valid prefix (rewritten atomically), the
   member's ``end.json`` dropped, and what follows is recomputed; damaged work files are thereby
   never published. The cut is reported (``notes``), not raised.
+- A replay that publishes ``NAME`` without streaming (``settle``, after the publish) removes a work
+  folder of ours beside it that describes the same step, precision, ensemble and ``--out`` (what it
+  would have finished is now in place), and names, never touches, any other: ours of another
+  command (resuming it is the user's call: that command with --overwrite), or not ours.
 Where the key cannot be made (a read-only home) a fixed key is used: the header then still proves
 the folder was written by this tool for this step, not by whom.
 """
@@ -240,3 +244,37 @@ def read_end(work: Path, member_dir: Path) -> dict[str, Any] | None:
     _, note = valid_records(work, member_dir)
     end = _opened(work, _read_json(member_dir / END)) if note is None else None
     return end if end is not None and {"loss", "order", "promotions"} <= set(end) else None
+
+
+SUPERSEDED_BY = ("fingerprint", "dtype", "ensemble", "out")  # what a published in-memory replay settles
+
+
+def settle(out: Path, header: dict[str, Any]) -> list[str]:
+    """After a replay published ``out`` without streaming: what streamed runs of ``out`` left beside it
+    (``.NAME.partial``, ``.NAME.rankR.partial``). Ours for the same step and command (``header``'s
+    SUPERSEDED_BY fields): removed; anything else: kept and named. -> one note per folder."""
+    notes = []
+    try:
+        found = sorted(p for p in out.parent.iterdir() if re.fullmatch(rf"\.{re.escape(out.name)}(\.rank\d+)?\.partial", p.name))
+    except OSError:
+        return notes
+    for work in found:
+        if _empty_dir(work):
+            continue  # nothing in it to lose or to name: a streamed run takes it as its own
+        have = _signed(_read_json(work / HEADER)) if work.is_dir() and not work.is_symlink() else None
+        ours = have is not None and have.get("made_by") == MADE_BY
+        if ours and all(have.get(k) == header.get(k) for k in SUPERSEDED_BY):
+            try:
+                shutil.rmtree(work)
+                notes.append(f"removed the work folder {work} of a killed streamed replay of this step: {out} now holds its result")
+            except OSError as e:
+                notes.append(f"{work} is kept: it is the work folder of a killed streamed replay of this step, superseded by {out}, "
+                             f"but it cannot be removed ({e.strerror or e}); delete it")  # fmt: skip
+        elif ours:
+            diff = "; ".join(_differences({k: have.get(k) for k in SUPERSEDED_BY}, {k: header.get(k) for k in SUPERSEDED_BY}))
+            notes.append(f"{work} is kept: it is this tool's work folder of another streamed replay into {out.name} ({diff}); "
+                         "rerun that command with --overwrite to resume it, or delete it")  # fmt: skip
+        else:
+            notes.append(f"{work} is kept: it is not a work folder of this tool for this user (no header signed by this tool); "
+                         "it was not touched; delete or move it yourself if it is not yours")  # fmt: skip
+    return notes
