@@ -31,6 +31,7 @@ umask).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -117,6 +118,18 @@ def _replaceable(p: Path) -> str | None:
     return None
 
 
+def _work_beside(path: Path) -> str:
+    """Names a streamed replay's work folder left beside an existing output (a run killed after it
+    published ``path`` and before it removed ``.NAME.partial``, or one that another command left)."""
+    work = [p.name for p in (path.parent / f".{path.name}.partial", *sorted(path.parent.glob(f".{glob.escape(path.name)}.rank*.partial")))
+            if os.path.lexists(p)]  # fmt: skip
+    if not work:
+        return ""
+    return (f"; beside it, {', '.join(work)} may hold a streamed replay's work for this name: with --overwrite "
+            "a streamed rerun of the command that made it resumes it (another run of this tool replaces it; a folder "
+            "this tool did not make is never touched), or delete it")
+
+
 def check_output(path: str | os.PathLike, overwrite: bool) -> None:
     """Refuse an output that exists (without ``overwrite``), may not be replaced, or that another oracle
     process is writing now (atomic.claim: one live writer per name), before any work is spent on it;
@@ -125,7 +138,7 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> None:
     path = Path(path)
     if os.path.lexists(path):
         if not overwrite:
-            raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite")
+            raise OutputExists(f"output {path} already exists; choose another --out or pass --overwrite{_work_beside(path)}")
         why = _replaceable(path)
         if why:
             raise OutputExists(f"output {path} {why}")

@@ -180,3 +180,33 @@ def test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise(fp32_captur
         assert r.returncode == 0, r.stderr[-2000:]
     a, b = Bundle(out).load_group("grads"), Bundle(whole).load_group("grads")
     assert [n for n in b if not torch.equal(a[n], b[n])] == []
+
+
+def test_a_work_folder_left_after_publishing_is_named_and_overwrite_settles_it(fp32_capture, tmp_path, monkeypatch):
+    """Stopped after its bundle was published and before its work folder was removed (the last step of a
+    streamed replay), the rerun of the same command is refused (exit 6) with the folder named and the way
+    out; with --overwrite it resumes from that folder (nothing recomputed), publishes the same gradients
+    bitwise and leaves nothing beside --out."""
+    from oracle.replay.streaming import driver
+
+    out, work = tmp_path / "o", tmp_path / ".o.partial"
+    monkeypatch.setattr(driver.shutil, "rmtree", lambda *a, **k: None)  # the kill window: published, not yet cleaned
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reruns below (--threads 1): a work folder resumes only on the same thread count
+    try:
+        replay(fp32_capture, out, dtype="fp64", max_memory=8 << 30)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.undo()
+    assert out.is_dir() and work.is_dir()
+    first = Bundle(out).load_group("grads")
+    r = subprocess.run(_cmd(fp32_capture, out, "--max-memory", "8G"), cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert r.returncode == 6, r.stderr[-2000:]
+    assert ".o.partial" in r.stderr and "--overwrite" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run(_cmd(fp32_capture, out, "--max-memory", "8G", "--overwrite"), cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    streaming = Bundle(out).get("streaming")
+    assert streaming["resumed"] and "recomputed" not in streaming, streaming
+    again = Bundle(out).load_group("grads")
+    assert sorted(again) == sorted(first) and [n for n in first if not torch.equal(first[n], again[n])] == []
