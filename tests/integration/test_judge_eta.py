@@ -1,0 +1,44 @@
+"""`oracle judge`'s time estimates against the stages' real wall time, in a real subprocess on the
+tiny Qwen3-VL, on this machine as it is and with one more core kept busy: every stage's estimate
+(as printed when it starts) is within 2x of its real time; stages of under 5 s both estimated and
+real (score, report: reading and writing, 0.5-4.8 s for the same work on 2 shared cores), within 3 s."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DONE = re.compile(r"\[judge \d+/\d+\] (\S+): done in ([\d.]+) s \(estimated ([^)]+)\)")
+
+
+def _seconds(said: str) -> float:
+    if said == "< 1 s":
+        return 0.5
+    value, unit = said.split()
+    return float(value) * {"s": 1, "min": 60, "h": 3600}[unit]
+
+
+@pytest.mark.parametrize("load", [0, 1], ids=["as-is", "one-core-busy"])
+def test_each_stage_estimate_is_within_2x_of_its_real_time(fp32_capture, amp_capture, tmp_path, load):
+    """Every stage's printed estimate within 2x of its wall time (3 s for stages under 5 s), loaded or not."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    try:
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([sys.executable, "-m", "oracle", "judge", str(fp32_capture), str(amp_capture), "--ensemble", "2",
+                            "--out", str(tmp_path / "judge")], capture_output=True, text=True, env=env, cwd=tmp_path)  # fmt: skip
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [(m[1], float(m[2]), _seconds(m[3])) for m in DONE.finditer(r.stderr)]
+    assert [n for n, _, _ in rows] == ["truth", "band-fp32", "band-amp-bf16", "score", "report"], r.stderr
+    off = [(n, real, est) for n, real, est in rows
+           if not (max(real, est) < 5 and abs(real - est) <= 3) and not (est / 2 <= real <= 2 * est)]  # fmt: skip
+    print("\n".join(f"ETA-ROW load={load} {n}: {real:.1f} s, estimated {est:.1f} s" for n, real, est in rows))
+    assert not off, f"stages beyond 2x of their estimate: {off}\n{r.stderr}"

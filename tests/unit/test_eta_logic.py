@@ -1,0 +1,63 @@
+"""The judge's ETA (oracle/pipeline/eta.py, stages.Progress) with planted timings: each stage's
+estimate is its plan times the real/planned ratio of the last finished stage of its kind."""
+
+from __future__ import annotations
+
+from oracle.pipeline import eta, stages
+
+
+def _run(monkeypatch, plan: dict[str, float], took: dict[str, float]) -> list[str]:
+    """Run the stages of ``plan`` in order, each taking ``took[name]`` seconds of a planted clock."""
+    now = [0.0]
+    monkeypatch.setattr(stages.time, "perf_counter", lambda: now[0])
+    said: list[str] = []
+    p = stages.Progress(len(plan), {k: {"seconds": v} for k, v in plan.items()}, echo=said.append)
+    for name in plan:
+        t0 = p.start(name, "work")
+        now[0] += took[name]
+        p.end(name, t0, reused=False)
+    return said
+
+
+def test_the_bands_are_calibrated_on_the_truth_and_io_stages_on_their_own_kind(monkeypatch):
+    """The truth took 3x its plan: the bands are shown 3x theirs; score and report (io) keep their plan."""
+    plan = {"truth": 10.0, "band-amp-bf16": 20.0, "band-fp32": 20.0, "score": 2.0, "report": 2.0}
+    took = {"truth": 30.0, "band-amp-bf16": 60.0, "band-fp32": 60.0, "score": 2.0, "report": 2.0}
+    said = _run(monkeypatch, plan, took)
+    assert said[0] == "[judge 1/5] truth: work ... (this stage ~10 s, ETA 54 s)"
+    assert said[1] == "[judge 1/5] truth: done in 30.0 s (estimated 10 s); ETA 2.1 min"  # 60 + 60 + 2 + 2
+    assert said[2] == "[judge 2/5] band-amp-bf16: work ... (this stage ~1.0 min, ETA 2.1 min)"
+    assert said[3].endswith("done in 60.0 s (estimated 1.0 min); ETA 1.1 min")
+    assert said[6] == "[judge 4/5] score: work ... (this stage ~2 s, ETA 4 s)"
+
+
+def test_a_load_that_changes_is_followed_not_averaged(monkeypatch):
+    """Truth at 1x, then the first band at 4x (the machine got busy): the next band is shown at 4x, not 2.5x."""
+    plan = {"truth": 10.0, "band-amp-bf16": 10.0, "band-fp32": 10.0}
+    said = _run(monkeypatch, plan, {"truth": 10.0, "band-amp-bf16": 40.0, "band-fp32": 40.0})
+    assert said[3].endswith("done in 40.0 s (estimated 10 s); ETA 40 s"), said
+    assert said[4].endswith("(this stage ~40 s, ETA 40 s)"), said
+
+
+def test_every_estimate_after_the_first_is_within_2x_whatever_the_slowdown(monkeypatch):
+    """Slowdowns of 1/8x to 12x, steady across the stages: every replay stage after the first is estimated exactly."""
+    for slow in (0.125, 1.0, 3.0, 12.0):
+        plan = {"truth": 10.0, "band-amp-bf16": 30.0, "band-fp32": 25.0, "local-A": 15.0}
+        said = _run(monkeypatch, plan, {k: v * slow for k, v in plan.items()})
+        done = [ln for ln in said if " done in " in ln][1:]
+        for ln in done:
+            real = float(ln.split("done in ")[1].split(" s")[0])
+            est = ln.split("(estimated ")[1].split(")")[0]
+            assert est == stages.duration(real), (slow, ln)
+
+
+def test_ratios_are_clipped_and_a_reused_stage_calibrates_nothing(monkeypatch):
+    """A 100x stage counts as 16x; a reused stage leaves the ratio as it was."""
+    c = eta.Calibration()
+    c.add("truth", 1000.0, 10.0)
+    assert c.ratio("band-fp32") == 16.0 and c.ratio("score") == 1.0
+    c.add("band-fp32", 0.0, 2.0)  # no time measured (reused): nothing learnt
+    c.add("score", 30.0, 2.0)  # an io stage calibrates nothing, and is not calibrated
+    assert c.ratio("explain-A") == 16.0 and c.ratio("score") == 1.0 and c.ratio("report") == 1.0
+    assert [eta.kind(s) for s in ("merge-H20", "truth", "band-bf16", "score", "local-A", "local-score-A", "explain-A", "logs", "report")] == \
+        ["io", "replay", "replay", "io", "replay", "io", "replay", "replay", "io"]  # fmt: skip
