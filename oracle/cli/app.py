@@ -438,7 +438,7 @@ _DH = _doctor.OPTION_HELP
 
 
 @app.command(help=f"{_doctor.SUMMARY}\n\n{_doctor.WHERE}\n\n" + "\n\n".join(
-    f"Example ({what}): {cmd.format(prog='oracle doctor')}" for what, cmd in _doctor.EXAMPLES))  # fmt: skip
+    f"Example: {cmd.format(prog='oracle doctor')}   ({what})" for what, cmd in _doctor.EXAMPLES))  # fmt: skip
 @user_errors
 def doctor(
     dir: Annotated[str | None, typer.Argument(metavar="DIR", help=_doctor.ARGUMENT_HELP)] = None,

@@ -240,9 +240,9 @@ SUMMARY = ("Before spending a training step: will ORACLE_CAPTURE capture in this
 WHERE = ("Run it in the training environment (the one torchrun / swift megatron sft start), on each cluster; "
          "there it runs without typer as python -m oracle doctor.")  # fmt: skip
 EXAMPLES = (
-    ("is the start-up hook active here, and can every rank write the folder?", "ORACLE_CAPTURE=/shared/h20-step {prog}"),
-    ("also the capture's size per rank: Qwen3-VL-8B, TP 8, one 64k-token micro-batch",
+    ("the hook, the folder, and the capture's size per rank: Qwen3-VL-8B, TP 8, one 64k-token micro-batch",
      "{prog} /shared/h20-step --hf-config config.json --tp 8 --tokens 65536"),
+    ("is the start-up hook active here, and can every rank write the folder?", "ORACLE_CAPTURE=/shared/h20-step {prog}"),
 )  # fmt: skip
 ARGUMENT_HELP = "The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)."
 # (flag, metavar, help); the defaults are LAYOUT_DEFAULTS
