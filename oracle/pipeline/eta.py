@@ -21,13 +21,13 @@ Before any stage (the first estimate)
     truth's ranged 3x; the planner's time follows the truth's, see ``TRUTH_PROBES``.)
 
 After each stage (``Calibration``)
-    its wall time over its estimate, ``ratio``, is the machine's speed now. The replay stages left
-    (truth, bands, local replays, explain, logs: model passes) are rescaled by the ratio of the LAST
-    finished replay stage: the band members are calibrated on the truth, a pass of the same
-    capture, and a load that changed since the first stage is followed rather than averaged in.
-    The ``io`` stages (merge, score, local score, report: reading and writing bundles, seconds on
-    a small model) keep their plan: one says nothing of another (a score 4x faster than planned
-    made the report's estimate 4x too short). Ratios are clipped to [1/16, 16]; a reused stage
+    its wall time over its plan, ``ratio``, is the machine's speed now. The ``compute`` stages left
+    (truth, bands, local replays, explain, logs, and the report, which draws its figures) are
+    rescaled by the ratio of the LAST finished compute stage: the band members are calibrated on
+    the truth, a pass of the same capture, and a load that changed since the first stage is
+    followed rather than averaged in. The ``io`` stages (merge, score, local score: reading and
+    writing bundles) keep their plan: one says nothing of another (a score 4x faster than planned
+    made the next stage's estimate 4x too short). Ratios are clipped to [1/16, 16]; a reused stage
     says nothing of the machine.
 """
 
@@ -38,13 +38,13 @@ from __future__ import annotations
 # 2 shared cores (load 6-15, with and without one more busy core): the truth (float64 + its
 # certificate) 15-25 planner runs (7-22 s at 0.46-1.0 s a run); an emulated band member a share of
 # the truth that depends on its precision: fp32 0.67-0.96 (every op rounded to fp32), amp-bf16
-# 0.35-0.61 (only autocast's ops emulated). The report (HTML, PNG, CSV) 1.4-4.4 s, about 3 probes;
+# 0.35-0.61 (only autocast's ops emulated). The report (HTML, PNG, CSV) 1.3-5.3 s, about 4 probes;
 # the score 0.5-3.3 s, about 2. The stages after the first are calibrated on the finished ones
 # (``Calibration``), not on these.
 TRUTH_PROBES = 18.0
 MEMBER_PROBES = {"fp32": 14.0, "amp-bf16": 9.0}
 MEMBER_PROBES_OTHER = 12.0  # the precisions not measured: between the two
-REPORT_PROBES, SCORE_PROBES = 3.0, 2.0
+REPORT_PROBES, SCORE_PROBES = 4.0, 2.0
 
 
 def member_probes(precision: str) -> float:
@@ -52,26 +52,27 @@ def member_probes(precision: str) -> float:
 
 
 RATIO_CLIP = (1 / 16, 16.0)
-IO_STAGES = ("merge-", "score", "local-score-", "report")
+IO_STAGES = ("merge-", "score", "local-score-")
 
 
 def kind(stage: str) -> str:
-    """``io`` for the stages that read and write (merge, score, local score, report), else ``replay``."""
-    return "io" if stage.startswith(IO_STAGES) else "replay"
+    """``io`` for the stages that mostly read and write bundles (merge, score, local score), else
+    ``compute`` (the replays, explain, logs, and the report, which draws its figures)."""
+    return "io" if stage.startswith(IO_STAGES) else "compute"
 
 
 class Calibration:
-    """Real over planned seconds of the last finished replay stage; ``ratio(stage)`` is what the
+    """Real over planned seconds of the last finished compute stage; ``ratio(stage)`` is what the
     plan of a stage not run yet is multiplied by (1 for an io stage)."""
 
     def __init__(self) -> None:
-        self.last: float | None = None  # the ratio of the last finished replay stage
+        self.last: float | None = None  # the ratio of the last finished compute stage
 
     def add(self, stage: str, real: float, planned: float) -> None:
-        if real <= 0 or planned <= 0 or kind(stage) != "replay":
+        if real <= 0 or planned <= 0 or kind(stage) != "compute":
             return
         r = min(RATIO_CLIP[1], max(RATIO_CLIP[0], real / planned))
         self.last = r
 
     def ratio(self, stage: str) -> float:
-        return self.last if self.last is not None and kind(stage) == "replay" else 1.0
+        return self.last if self.last is not None and kind(stage) == "compute" else 1.0
