@@ -432,24 +432,24 @@ def explain(
     api_explain(capture, module, fmt=fmt, json_out=json_out, report=report, echo=typer.echo)
 
 
-@app.command()
+from oracle.integrations.megatron import doctor as _doctor  # noqa: E402  (stdlib only: the help texts both doctors share)
+
+_DH = _doctor.OPTION_HELP
+
+
+@app.command(help=f"{_doctor.SUMMARY}\n\n{_doctor.WHERE}\n\n" + "\n\n".join(
+    f"Example: {cmd.format(prog='oracle doctor')}   ({what})" for what, cmd in _doctor.EXAMPLES))  # fmt: skip
 @user_errors
 def doctor(
-    dir: Annotated[str | None, typer.Argument(help="The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE).")] = None,
-    hf_config: Annotated[Path | None, typer.Option(help="The model's Hugging Face config.json: print the capture's size per rank.")] = None,
-    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size of the run.")] = 1,
-    pp: Annotated[int, typer.Option(min=1, help="Pipeline-parallel size of the run.")] = 1,
-    tokens: Annotated[int, typer.Option(min=1, help="Tokens of the captured micro-batch (packed).")] = 4096,
-    no_sp: Annotated[bool, typer.Option("--no-sp", help="The run has no sequence parallel.")] = False,
-    images: Annotated[int, typer.Option(min=0, help="Images in the captured micro-batch.")] = 4,
-    image_side: Annotated[int, typer.Option(min=1, help="Their side in pixels.")] = 448,
+    dir: Annotated[str | None, typer.Argument(metavar="DIR", help=_doctor.ARGUMENT_HELP)] = None,
+    hf_config: Annotated[Path | None, typer.Option(help=_DH["hf_config"])] = None,
+    tp: Annotated[int, typer.Option(min=1, help=_DH["tp"])] = 1,
+    pp: Annotated[int, typer.Option(min=1, help=_DH["pp"])] = 1,
+    tokens: Annotated[int, typer.Option(min=1, help=_DH["tokens"])] = 4096,
+    no_sp: Annotated[bool, typer.Option("--no-sp", help=_DH["no_sp"])] = False,
+    images: Annotated[int, typer.Option(min=0, help=_DH["images"])] = 4,
+    image_side: Annotated[int, typer.Option(min=1, help=_DH["image_side"])] = 448,
 ) -> None:  # fmt: skip
-    """Before spending a training step: will ORACLE_CAPTURE capture in this environment, and how much will it write? Exit 0 ready, 12 not.
-
-    Run it in the training environment, where it runs without typer as python -m oracle doctor DIR.
-
-    Example: oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536
-    """
     from oracle.integrations.megatron.doctor import diagnose
 
     layout = {"tp": tp, "pp": pp, "tokens": tokens, "sequence_parallel": not no_sp, "images": images, "image_side": image_side}

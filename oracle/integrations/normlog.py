@@ -230,10 +230,11 @@ def render_compare(r: dict[str, Any]) -> str:
     out = [f"{na}: {r['logs'][0]}", f"{nb}: {r['logs'][1]}", ""]
     if prefix:
         out.append(f"  (names below omit the common prefix {prefix})")
-    out.append(f"  {'parameter (backward order)':<62} {na:>12} {nb:>12} {'ratio':>8}")
+    w = max([62] + [len(p["name"]) - len(prefix) for p in r["params"]])  # whole names, never cut
+    out.append(f"  {'parameter (backward order)':<{w}} {na:>12} {nb:>12} {'ratio':>8}")
     for p in r["params"]:
         short = p["name"][len(prefix) :]
-        out.append(f"  {short[-62:]:<62} {p[na]:>12.6g} {p[nb]:>12.6g} {p['ratio']:>8.4f}")
+        out.append(f"  {short:<{w}} {p[na]:>12.6g} {p[nb]:>12.6g} {p['ratio']:>8.4f}")
     out += ["", f"  {'layer':<24} {'ratio':>8}  params"]
     out += [f"  {lr['layer']:<24} {lr['ratio']:>8.4f}  {lr['n_params']}" for lr in r["layers"]]
     out += ["", f"  {'parameter kind':<34} {'mean |log ratio|':>16}  n"]

@@ -279,16 +279,19 @@ def not_concluded(score, local, runs, logs) -> list[str]:
     out = []
     for r in runs:
         if not r["modules"]:
+            how = ("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"
+                   if r.get("input_kind") == "megatron rank folder" else "capture both with --modules (e.g. --modules all)")
             out.append(f"{r['name']}: no module boundaries were captured, so where the error is born is read end to end "
                        "(onset along the backward), not from a local replay, and the op class from the gradient's signature "
-                       "only; capture with --modules for both")  # fmt: skip
+                       f"only; {how}")  # fmt: skip
     for c in score["captures"]:
         if c.get("unverified"):
             out.append(f"{c['name']}: same step not verified for its {' and '.join(c['unverified'])}")
     if score["oracle"].get("warning"):
         out.append("oracle: " + score["oracle"]["warning"])
     if not logs:
-        out.append("no grad-norm logs given: the runs' own printed norms were not checked against the truth")
+        out.append("no grad-norm logs given: the runs' own printed norms were not checked against the truth (give each run's "
+                   "log as --log-a and --log-b)")
     out.append(
         "the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
         f"(the margin, {score['margin']:g}x, covers those)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,10 @@ from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
 from . import answers as answers_mod
 from . import workfolder
+from . import eta
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = 4
-# The fixed cost of one replay pass beyond its FLOPs (seconds): building the recipe's model, the
-# autograd and emulation bookkeeping per op, reading and writing the bundles. Measured on the tiny
-# Qwen3-VL here (2 shared cores): the float64 truth with its certificate 18.9 s, an emulated member
-# 8.4-16 s, where the GEMM probe's FLOP estimate says < 1 s. Negligible at 8B (hours of FLOPs);
-# the progress line rescales the stages left by the finished stages' real/estimated ratio.
-TRUTH_OVERHEAD_S, MEMBER_OVERHEAD_S = 12.0, 8.0
 
 
 class StageFailed(OracleError):
@@ -256,7 +252,8 @@ class Judge:
         return out
 
     def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
-        """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner."""
+        """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
+        this machine now (``eta.py``)."""
         from ..replay.streaming.plan import plan
 
         est: dict[str, dict[str, float]] = {}
@@ -264,17 +261,22 @@ class Judge:
             if k == "ranks":
                 size = sum(f.stat().st_size for f in p.rglob("*.safetensors"))
                 est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
-        base = plan(caps[replayable(caps)], "fp64", streamed=self.budget is not None, budget=self.budget)
+        cap, streamed = caps[replayable(caps)], self.budget is not None
+        base = plan(cap, "fp64", streamed=streamed, budget=self.budget)  # pays the imports: not the probe
+        precs = self.precisions(caps)
+        t0 = time.perf_counter()  # the probe (eta.py): the planner's wall time on this capture, now
+        plans = {prec: plan(cap, prec, streamed=streamed, budget=self.budget) for prec in precs} or {"fp64": plan(cap, "fp64", streamed=streamed, budget=self.budget)}
+        probe = self.probe_s = (time.perf_counter() - t0) / len(plans)
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
-        est["truth"] = {"seconds": base["estimated_seconds"] + TRUTH_OVERHEAD_S, "flops": base["total_flops"],
+        est["truth"] = {"seconds": base["estimated_seconds"] + eta.TRUTH_PROBES * probe, "flops": base["total_flops"],
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base)}  # fmt: skip
-        for prec in self.precisions(caps):
-            q = plan(caps[replayable(caps)], prec, streamed=self.budget is not None, budget=self.budget)
-            est[f"band-{prec}"] = {"seconds": (q["estimated_seconds"] + MEMBER_OVERHEAD_S) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
+        for prec in precs:
+            q = plans[prec]
+            est[f"band-{prec}"] = {"seconds": (q["estimated_seconds"] + eta.member_probes(prec) * probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
-            "seconds": 3 * grads / 500e6 + 2.0,  # reading the truth, the captures and the bands; 1.2-3.0 s on the tiny model
+            "seconds": 3 * grads / 500e6 + eta.SCORE_PROBES * probe,  # reading the truth, the captures, the bands; 0.5-3 s on the tiny model
             "flops": 0,
             "memory": base["memory"].get("fixed", base["memory"].get("fixed_without_process", 0)),
             "disk": 0,
@@ -282,7 +284,7 @@ class Judge:
         for c, n in zip(caps, self.names):
             if c.get("modules"):  # each module once in fp64, ``members`` times emulated, its device run
                 f = base["total_flops"] * (2 + self.members) / 4
-                est[f"local-{n}"] = {"seconds": f / base["gemm_flops_per_s"] / 0.3, "flops": f,
+                est[f"local-{n}"] = {"seconds": f / base["gemm_flops_per_s"] / 0.3 + (1 + self.members) * eta.MEMBER_PROBES_OTHER * probe, "flops": f,
                                      "memory": base["memory"]["peak_estimate"], "disk": grads}  # fmt: skip
                 est[f"local-score-{n}"] = {"seconds": 1, "flops": 0, "memory": 0, "disk": 0}
                 # explain: one module, 2 runs per op class (10 classes) + 2, in float64
@@ -295,7 +297,7 @@ class Judge:
                 "memory": base["memory"]["peak_estimate"],
                 "disk": 0,
             }
-        est["report"] = {"seconds": 2, "flops": 0, "memory": 0, "disk": 1 << 20}
+        est["report"] = {"seconds": eta.REPORT_PROBES * probe, "flops": 0, "memory": 0, "disk": 1 << 20}
         return est
 
     def dry_run(self) -> str:
@@ -314,7 +316,7 @@ class Judge:
             lines.append(f"  {s:<24} {duration(e['seconds']):>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
         tot = sum(e["seconds"] for e in est.values())
         lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
-                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe of this machine)")  # fmt: skip
+                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe and the planner's time on this machine, now)")  # fmt: skip
         return "\n".join(lines)
 
     # -- the run -----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..bundle.jsonio import dumps, no_duplicate_keys
 from ..errors import OutputError
+from .eta import Calibration
 
 
 def file_sha256(path: str | Path) -> str:
@@ -99,30 +100,33 @@ class Progress:
     """One line per stage start and end: ``[judge 3/8] truth: ... (this stage ~20 s, ETA 1.5 min)``,
     ``... done in 18.9 s (estimated 20 s), 0.01 GFLOP/s; ETA 1.2 min``.
 
-    A stage's estimate is the dry run's, times the real/estimated ratio of the stages finished so
-    far (``ratio``); ETA is the same for the stages not done yet; GFLOP/s is the stage's planned
-    FLOPs over its wall time (a reused stage has none)."""
+    A stage's estimate is the dry run's (``eta.py``: FLOPs and a probe of this machine, now) times
+    the real/estimated ratio of the last finished stage of its kind (``eta.Calibration``); the ETA
+    is the sum over the stages not done yet, revised as each stage ends; GFLOP/s is the stage's
+    planned FLOPs over its wall time (a reused stage has none)."""
 
     def __init__(self, total: int, estimates: dict[str, dict[str, float]] | None = None,
                  echo: Callable[[str], None] | None = None):  # fmt: skip
         self.total, self.done, self.estimates = total, 0, estimates or {}
         self.echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
         self.left = {k: v.get("seconds", 0.0) for k, v in self.estimates.items()}
-        self.timed: list[tuple[float, float]] = []  # (real, estimated) seconds of the stages run
+        self.calibration = Calibration()
+        self.timed: list[tuple[str, float, float]] = []  # (stage, real, estimated) seconds of the stages run
+
+    def estimate(self, name: str) -> float | None:
+        """The stage's estimate now: planned seconds x the ratio of its kind (None: no plan)."""
+        own = self.estimates.get(name, {}).get("seconds")
+        return own * self.calibration.ratio(name) if own else None
+
+    def eta(self) -> float:
+        return sum(s * self.calibration.ratio(k) for k, s in self.left.items())
 
     def _eta(self) -> str:
-        s = sum(self.left.values()) * self.ratio()
-        return f"ETA {duration(s)}"
-
-    def ratio(self) -> float:
-        """Real over estimated time of the stages finished so far (1 before any): this machine's
-        speed today, applied to the estimates of the stages left (clipped to 0.25-4)."""
-        real, est = sum(r for r, _ in self.timed), sum(e for _, e in self.timed)
-        return min(4.0, max(0.25, real / est)) if real > 0 and est > 0 else 1.0
+        return f"ETA {duration(self.eta())}"
 
     def start(self, name: str, what: str) -> float:
-        own = self.left.get(name)
-        this = f"this stage ~{duration(own * self.ratio())}, " if own else ""
+        own = self.estimate(name)
+        this = f"this stage ~{duration(own)}, " if own else ""
         self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({this}{self._eta()})")
         return time.perf_counter()
 
@@ -137,14 +141,15 @@ class Progress:
         if reused:
             self.echo(f"[judge {self.done}/{self.total}] {name}: reused (inputs unchanged)")
             return
-        dt = time.perf_counter() - (t0 or time.perf_counter())
+        dt = time.perf_counter() - t0 if t0 is not None else 0.0
+        said_estimate = self.estimate(name)  # as it was when the stage started
         planned = self.estimates.get(name, {}).get("seconds")
-        ratio = self.ratio()  # as it was when the stage started
         if planned and dt > 0:
-            self.timed.append((dt, planned))
+            self.timed.append((name, dt, said_estimate))
+            self.calibration.add(name, dt, planned)  # the ratio is to the plan, not to the rescaled estimate
         flops = self.estimates.get(name, {}).get("flops")
         rate = f", {flops / dt / 1e9:.2f} GFLOP/s" if flops and dt > 0 else ""
-        said = f" (estimated {duration(planned * ratio)})" if planned else ""
+        said = f" (estimated {duration(said_estimate)})" if said_estimate else ""
         self.echo(f"[judge {self.done}/{self.total}] {name}: done in {dt:.1f} s{said}{rate}; {self._eta()}")
 
 

@@ -81,11 +81,12 @@ def render_judge(doc: dict[str, Any]) -> str:
     logs = doc.get("logs")
     if logs:
         labels = logs["labels"]
+        w = max([64] + [len(r["name"]) for r in logs["params"]])  # whole names, never cut
         lines += ["", f"-- grad-norm logs against the truth ({logs['where']}) --",
-                  f"  {'parameter':<64} {'truth':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]  # fmt: skip
+                  f"  {'parameter':<{w}} {'truth':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]  # fmt: skip
         for r in logs["params"]:
             vals = " ".join(f"{r['logs'][lab]:>11.5g}" if r["logs"][lab] is not None else f"{'-':>11}" for lab in labels)
-            lines.append(f"  {r['name'][-64:]:<64} {r['oracle']:>11.5g} {vals}  {r['closer'] or '-'}")
+            lines.append(f"  {r['name']:<{w}} {r['oracle']:>11.5g} {vals}  {r['closer'] or '-'}")
         lines.append("  closer to the truth: " + ", ".join(f"{k} on {v} parameter(s)" for k, v in logs["wins"].items()))
     return "\n".join(lines)
 

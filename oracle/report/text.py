@@ -39,10 +39,11 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
         nf = {n: i for i, n in enumerate(c["verdict"].get("nonfinite_params") or [])}
         worst = sorted(c["params"], key=lambda r: (nf.get(r["name"], len(nf)), -_num(r["excess"])))[:top]
         lines.append("  worst parameters (non-finite first, then by excess over band)")
-        lines.append(f"  {'parameter':<60} {metric:>9} {'band':>9} {'excess':>8} {'cosine':>9} {'norm_ratio':>10}  class")
+        w = max([60] + [len(r["name"]) for r in worst])  # whole names: a long one widens the column, never cut
+        lines.append(f"  {'parameter':<{w}} {metric:>9} {'band':>9} {'excess':>8} {'cosine':>9} {'norm_ratio':>10}  class")
         for r in worst:
             err = abs(r["norm_ratio"] - 1) if c["norms_only"] else r["rel_l2"]
-            lines.append(f"  {r['name'][-60:]:<60} {_f(err):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8} "
+            lines.append(f"  {r['name']:<{w}} {_f(err):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8} "
                          f"{_f(r.get('cosine'), '.6f'):>9} {_f(r['norm_ratio'], '.5f'):>10}  {r['class']}")  # fmt: skip
         for r in c["params"]:  # padded vocabulary rows [V, Vp): real parameters, listed apart
             pr = r.get("padded_rows")

@@ -4,6 +4,7 @@ with the megatron-core, ms-swift and transformers it sees. Runs in that environm
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,3 +85,37 @@ def test_capture_size_is_what_the_hook_writes(tmp_path):
         assert inputs == want["inputs"], r
         mods = sum(_tensor_bytes(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("mod."))
         assert mods == want["layers_boundaries"], r
+
+
+def test_doctor_help_in_the_training_env_reads_as_the_host_cli_with_examples_that_run(tmp_path):
+    """`python -m oracle doctor --help` (argparse, no typer needed): typer's sections and usage, every option
+    with its metavar, help and default, the examples and exit codes; the size example runs as printed."""
+    import tiny
+
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("ORACLE_CAPTURE", None)
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    text = " ".join(r.stdout.split())
+    assert r.stdout.startswith("Usage: python -m oracle doctor [OPTIONS] [DIR]\n"), r.stdout
+    for part in ("Arguments: [DIR] The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE).",
+                 "--tp INTEGER Tensor-parallel size of the run. [default: 1]",
+                 "--tokens INTEGER Tokens of the captured micro-batch (packed). [default: 4096]",
+                 "--hf-config PATH The model's Hugging Face config.json", "--help Show this message and exit.",
+                 "Examples:", "Exit codes: 0 ready; 12 not ready"):  # fmt: skip
+        assert part in text, r.stdout
+    assert "usage: python -m oracle doctor [-h]" not in r.stdout and "positional arguments" not in r.stdout
+    example = next(ln.strip() for ln in r.stdout.splitlines() if "--hf-config config.json" in ln)
+    (tmp_path / "config.json").write_text(json.dumps(tiny.hf_config().to_dict()))
+    argv = example.replace("/shared/h20-step", str(tmp_path / "h20-step")).split()[3:]  # after "python -m oracle"
+    r = subprocess.run([sys.executable, "-m", "oracle", *argv], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "per rank" in r.stdout and f"{tmp_path / 'h20-step'}: writable" in r.stdout, r.stdout
+
+
+def test_doctor_usage_mistake_in_the_training_env_says_where_help_is():
+    """A bad value: typer's shape (usage, the --help hint, the error), exit 2, no traceback."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor", "--tp", "eight"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Try 'python -m oracle doctor --help' for help." in r.stderr and "Error: argument --tp" in r.stderr, r.stderr

@@ -233,37 +233,101 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf
     return 0, "\n".join(lines)
 
 
+# One text for both entry points: ``oracle doctor`` (typer, oracle/cli/app.py) and ``python -m oracle
+# doctor`` (argparse: the training environment may have no typer), so the two --help read the same.
+SUMMARY = ("Before spending a training step: will ORACLE_CAPTURE capture in this environment, and how much "
+           "will it write? Exit 0 ready, 12 not.")  # fmt: skip
+WHERE = ("Run it in the training environment (the one torchrun / swift megatron sft start), on each cluster; "
+         "there it runs without typer as python -m oracle doctor.")  # fmt: skip
+EXAMPLES = (
+    ("the hook, the folder, and the capture's size per rank: Qwen3-VL-8B, TP 8, one 64k-token micro-batch",
+     "{prog} /shared/h20-step --hf-config config.json --tp 8 --tokens 65536"),
+    ("is the start-up hook active here, and can every rank write the folder?", "ORACLE_CAPTURE=/shared/h20-step {prog}"),
+)  # fmt: skip
+ARGUMENT_HELP = "The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)."
+# (flag, metavar, help); the defaults are LAYOUT_DEFAULTS
+OPTIONS = (
+    ("--hf-config", "PATH", "The model's Hugging Face config.json: print the capture's size per rank."),
+    ("--tp", "INTEGER", "Tensor-parallel size of the run."),
+    ("--pp", "INTEGER", "Pipeline-parallel size of the run."),
+    ("--tokens", "INTEGER", "Tokens of the captured micro-batch (packed)."),
+    ("--no-sp", None, "The run has no sequence parallel (each rank's boundaries hold every row)."),
+    ("--images", "INTEGER", "Images in the captured micro-batch."),
+    ("--image-side", "INTEGER", "Their side in pixels."),
+)
+OPTION_HELP = {flag[2:].replace("-", "_"): text for flag, _, text in OPTIONS}
+EXIT_TEXT = ("Exit codes: 0 ready; 12 not ready (each problem said with its fix); 2 usage error; "
+             "3 the --hf-config file does not exist.")  # fmt: skip
+
+
+def examples(prog: str) -> str:
+    return "\n".join(f"  # {what}\n  {cmd.format(prog=prog)}" for what, cmd in EXAMPLES)
+
+
+def help_text(prog: str = "python -m oracle doctor") -> str:
+    """``python -m oracle doctor --help``: typer's sections (Usage, Arguments, Options), its help
+    texts and defaults, the examples and the exit codes."""
+    import textwrap
+
+    defaults = {"--tp": LAYOUT_DEFAULTS["tp"], "--pp": LAYOUT_DEFAULTS["pp"], "--tokens": LAYOUT_DEFAULTS["tokens"],
+                "--images": LAYOUT_DEFAULTS["images"], "--image-side": LAYOUT_DEFAULTS["image_side"]}  # fmt: skip
+    width = min(shutil.get_terminal_size((100, 24)).columns, 100)
+
+    def row(left: str, text: str) -> list[str]:
+        body = textwrap.wrap(text, width - 26) or [""]
+        first = f"  {left:<22} {body[0]}" if len(left) <= 22 else f"  {left}\n  {'':<22} {body[0]}"
+        return [first] + [f"  {'':<22} {b}" for b in body[1:]]
+
+    lines = [f"Usage: {prog} [OPTIONS] [DIR]", "", *textwrap.wrap(SUMMARY, width), "",
+             *textwrap.wrap(WHERE, width), "", "Arguments:", *row("[DIR]", ARGUMENT_HELP), "", "Options:"]  # fmt: skip
+    for flag, metavar, text in OPTIONS:
+        d = defaults.get(flag)
+        lines += row(f"{flag} {metavar}" if metavar else flag, text + (f"  [default: {d}]" if d is not None else ""))
+    lines += row("--help", "Show this message and exit.")
+    lines += ["", "Examples:", examples(prog), "", *textwrap.wrap(EXIT_TEXT, width)]
+    return "\n".join(lines) + "\n"
+
+
 def parser():
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m oracle doctor", description=__doc__.split("\n\n")[0],
-                                epilog="example: python -m oracle doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536")  # fmt: skip
-    p.add_argument("dir", nargs="?", help="the folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)")
-    p.add_argument("--hf-config", help="the model's Hugging Face config.json: print the capture's size per rank")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the run")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the run")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens of the captured micro-batch (packed)")
-    p.add_argument("--no-sp", action="store_true", help="the run has no sequence parallel (each rank's boundaries hold every row)")
-    p.add_argument("--images", type=int, default=4, help="images in the captured micro-batch")
-    p.add_argument("--image-side", type=int, default=448, help="their side in pixels")
+    prog = "python -m oracle doctor"
+
+    class Parser(argparse.ArgumentParser):
+        def format_help(self) -> str:
+            return help_text(prog)
+
+        def error(self, message: str):  # as typer says a usage mistake: the usage, a hint, the error; exit 2
+            self.exit(2, f"Usage: {prog} [OPTIONS] [DIR]\nTry '{prog} --help' for help.\n\nError: {message}\n")
+
+    p = Parser(prog=prog, add_help=False)
+    p.add_argument("--help", action="help")
+    p.add_argument("dir", nargs="?")
+    for flag, metavar, _ in OPTIONS:
+        if metavar is None:
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=int if metavar == "INTEGER" else str, metavar=metavar,
+                           default=LAYOUT_DEFAULTS.get(flag[2:].replace("-", "_")))  # fmt: skip
     return p
 
 
 def main(argv: list[str]) -> int:
     """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer)."""
-    a = parser().parse_args(argv)  # a usage mistake: argparse's message, exit 2
+    a = parser().parse_args(argv)  # a usage mistake: the usage, a hint and the error, exit 2
     layout = {"tp": a.tp, "pp": a.pp, "tokens": a.tokens, "sequence_parallel": not a.no_sp, "images": a.images,
               "image_side": a.image_side}  # fmt: skip
     try:
         code, text = diagnose(a.dir, hf_config=a.hf_config, layout=layout)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"Error: {e} (see python -m oracle doctor --help)", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
-        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr)
+        print(f"Error: {e.strerror}: {e.filename}", file=sys.stderr)
         return 3  # EXIT_CODES: an input path does not exist
     print(text)
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

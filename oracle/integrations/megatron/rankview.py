@@ -239,10 +239,11 @@ def log_rows(view: dict[str, torch.Tensor], logs, labels) -> dict[str, Any]:
 def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
     """Per parameter: the truth's norm on this rank, each log's norm, and which log is closer."""
     r = log_rows(view, logs, labels)
-    lines = [f"  {'parameter':<64} {'oracle':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]
+    w = max([64] + [len(row["name"]) for row in r["params"]])  # whole names, never cut
+    lines = [f"  {'parameter':<{w}} {'oracle':>11} " + " ".join(f"{lab:>11}" for lab in labels) + "  closer"]
     for row in r["params"]:
         vals = [row["logs"][lab] for lab in labels]
-        lines.append(f"  {row['name'][-64:]:<64} {row['oracle']:>11.5g} " + " ".join(f"{v:>11.5g}" if v is not None else f"{'-':>11}" for v in vals)
+        lines.append(f"  {row['name']:<{w}} {row['oracle']:>11.5g} " + " ".join(f"{v:>11.5g}" if v is not None else f"{'-':>11}" for v in vals)
                      + f"  {row['closer'] or '-'}")  # fmt: skip
     lines.append("closer to the truth: " + ", ".join(f"{k} on {v} parameter(s)" for k, v in r["wins"].items()))
     return "\n".join(lines)

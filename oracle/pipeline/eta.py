@@ -1,0 +1,82 @@
+"""How long each ``oracle judge`` stage will take: measured on this machine, now, and revised as
+stages finish.
+
+A replay pass costs its FLOPs plus a fixed cost that its FLOPs do not show: building the recipe's
+model, per-op dispatch and autograd bookkeeping, the emulation's rounding ops, reading and writing
+bundles. At 8B the FLOPs dominate (hours); on a small model the fixed cost is all there is, and it
+grows with the machine's load as much as the FLOPs do.
+
+Before any stage (the first estimate)
+    the probe is the replay planner itself, timed on this capture (``judge.py``: the plan of the
+    first band's precision, after the float64 plan has paid the imports): it builds the recipe's
+    model skeleton, reads the capture's manifest and inputs and runs a float64 GEMM probe -- the
+    same kind of work as a pass's fixed cost (0.5-0.8 s on the tiny Qwen3-VL here), as wall time,
+    so a busy machine lengthens it as it lengthens the replay. A stage's estimate is
+
+        seconds = FLOPs / (GEMM probe rate x EFFICIENCY) + units x probe seconds
+
+    with ``units`` the stage's fixed cost in probes: ``TRUTH_PROBES`` for the float64 pass with its
+    certificate, ``member_probes(precision)`` per emulated band member. (A probe of small autograd ops was
+    tried first: on 2 oversubscribed cores its time per round ranged 30x a minute apart while the
+    truth's ranged 3x; the planner's time follows the truth's, see ``TRUTH_PROBES``.)
+
+After each stage (``Calibration``)
+    its wall time over its plan, ``ratio``, is the machine's speed now. The ``compute`` stages left
+    (truth, bands, local replays, explain, logs, and the report, which draws its figures) are
+    rescaled by sqrt(ratio) of the LAST finished compute stage: the band members are calibrated
+    on the truth, a pass of the same capture, and a load that changed since the first stage is
+    followed rather than averaged in. The square root halves (in log) what one stage says: a
+    slowdown that persists, up to 4x the plan, is then shown within 2x; one that passes (another
+    job ending between two stages: here a truth 1.8x its plan, the next band 0.44x its plan)
+    misleads the next estimate half as much. At 8B the plan's own error is the GEMM efficiency's,
+    0.33-0.54 for 0.45 (1.4x at most), which the square root leaves within 1.2x. The ``io`` stages (merge, score, local score: reading and
+    writing bundles) keep their plan: one says nothing of another (a score 4x faster than planned
+    made the next stage's estimate 4x too short). Ratios are clipped to [1/16, 16]; a reused stage
+    says nothing of the machine.
+"""
+
+from __future__ import annotations
+
+
+# Fixed cost per pass in probes (planner runs), measured on the tiny Qwen3-VL of ``oracle demo`` on
+# 2 shared cores (load 6-15, with and without one more busy core): the truth (float64 + its
+# certificate) 15-25 planner runs (7-22 s at 0.46-1.0 s a run); an emulated band member a share of
+# the truth that depends on its precision: fp32 0.67-0.96 (every op rounded to fp32), amp-bf16
+# 0.35-0.61 (only autocast's ops emulated). The report (HTML, PNG, CSV) 1.3-5.3 s, about 4 probes;
+# the score 0.5-3.3 s, about 2. The stages after the first are calibrated on the finished ones
+# (``Calibration``), not on these.
+TRUTH_PROBES = 18.0
+MEMBER_PROBES = {"fp32": 14.0, "amp-bf16": 9.0}
+MEMBER_PROBES_OTHER = 12.0  # the precisions not measured: between the two
+REPORT_PROBES, SCORE_PROBES = 4.0, 2.0
+
+
+def member_probes(precision: str) -> float:
+    return MEMBER_PROBES.get(precision, MEMBER_PROBES_OTHER)
+
+
+RATIO_CLIP = (1 / 16, 16.0)
+IO_STAGES = ("merge-", "score", "local-score-")
+
+
+def kind(stage: str) -> str:
+    """``io`` for the stages that mostly read and write bundles (merge, score, local score), else
+    ``compute`` (the replays, explain, logs, and the report, which draws its figures)."""
+    return "io" if stage.startswith(IO_STAGES) else "compute"
+
+
+class Calibration:
+    """sqrt(real over planned seconds) of the last finished compute stage; ``ratio(stage)`` is what
+    the plan of a stage not run yet is multiplied by (1 for an io stage)."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None  # the ratio of the last finished compute stage
+
+    def add(self, stage: str, real: float, planned: float) -> None:
+        if real <= 0 or planned <= 0 or kind(stage) != "compute":
+            return
+        r = min(RATIO_CLIP[1], max(RATIO_CLIP[0], real / planned))
+        self.last = r**0.5
+
+    def ratio(self, stage: str) -> float:
+        return self.last if self.last is not None and kind(stage) == "compute" else 1.0

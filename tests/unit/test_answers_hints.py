@@ -1,0 +1,26 @@
+"""The judge's "not concluded" list tells each run how to record module boundaries in the way that
+run was captured: ORACLE_CAPTURE_MODULES=layers for Megatron rank folders (ms-swift, MindSpeed),
+``oracle capture --modules`` for capture bundles."""
+
+from __future__ import annotations
+
+from oracle.pipeline.answers import not_concluded
+
+
+def test_the_module_hint_follows_how_each_run_was_captured():
+    """A rank folder is told ORACLE_CAPTURE_MODULES=layers (it has no --modules), a capture bundle --modules."""
+    score = {"captures": [], "oracle": {}, "margin": 3.0}
+    runs = [{"name": "H20", "modules": False, "input_kind": "megatron rank folder"},
+            {"name": "cpu", "modules": False, "input_kind": "capture bundle"}]  # fmt: skip
+    said = not_concluded(score, {}, runs, None)
+    h20 = next(s for s in said if s.startswith("H20:"))
+    cpu = next(s for s in said if s.startswith("cpu:"))
+    assert h20.endswith("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"), h20
+    assert "--modules" not in h20
+    assert cpu.endswith("capture both with --modules (e.g. --modules all)"), cpu
+
+
+def test_without_logs_it_says_which_options_check_them():
+    """No logs given: the line names --log-a and --log-b."""
+    said = not_concluded({"captures": [], "oracle": {}, "margin": 3.0}, {}, [], None)
+    assert any(s.startswith("no grad-norm logs given") and s.endswith("(give each run's log as --log-a and --log-b)") for s in said), said
