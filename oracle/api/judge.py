@@ -74,7 +74,10 @@ def judge(opts: JudgeOptions, echo: Echo = print, progress: Echo | None = None) 
               members=opts.members, margin=opts.margin, nproc=opts.nproc, threads=opts.threads, dp_rank=opts.dp_rank,
               echo=progress)  # fmt: skip
     if opts.dry_run:
-        echo(j.dry_run())
+        table, refused = j.dry_run()
+        echo(table)
+        if refused:  # exactly what the run would refuse before its first replay (exit 2)
+            raise UsageError("oracle judge: " + "; ".join(refused))
         return 0
     doc = j.run()
     echo(render_judge(doc))

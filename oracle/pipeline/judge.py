@@ -269,11 +269,13 @@ class Judge:
         probe = self.probe_s = (time.perf_counter() - t0) / len(plans)
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         est["truth"] = {"seconds": base["estimated_seconds"] + eta.TRUTH_PROBES * probe, "flops": base["total_flops"],
-                        "memory": base["memory"]["peak_estimate"], "disk": disk(base)}  # fmt: skip
+                        "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
+                        "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
             q = plans[prec]
             est[f"band-{prec}"] = {"seconds": (q["estimated_seconds"] + eta.member_probes(prec) * probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
-                                   "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble}  # fmt: skip
+                                   "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
+                                   "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
             "seconds": 3 * grads / 500e6 + eta.SCORE_PROBES * probe,  # reading the truth, the captures, the bands; 0.5-3 s on the tiny model
@@ -300,24 +302,42 @@ class Judge:
         est["report"] = {"seconds": eta.REPORT_PROBES * probe, "flops": 0, "memory": 0, "disk": 1 << 20}
         return est
 
-    def dry_run(self) -> str:
+    @staticmethod
+    def refusals(est: dict[str, dict[str, Any]]) -> list[str]:
+        """The replay stages that would not fit --max-memory (the planner's own refusal, what that
+        stage's replay would exit 2 with), each named: one rule for the dry run and the run."""
+        over = {s: e for s, e in est.items() if e.get("refusal")}
+        if not over:
+            return []
+        need = max(e["fixed"] for e in over.values())
+        stages = ", ".join(f"{s} (about {e['fixed'] / 2**30:.2f} GiB: its largest unit {e['by']} with the process)" for s, e in over.items())
+        return [f"{len(over)} stage(s) would not fit --max-memory: {stages}; raise it to at least {need / 2**30 * 1.1:.1f}G "
+                "(the same margin as oracle replay --max-memory)"]  # fmt: skip
+
+    def dry_run(self) -> tuple[str, list[str]]:
+        """(the stage table, the refusals): a stage above --max-memory is marked in the table and named
+        in the refusals (the caller exits 2, as the run would before its first replay)."""
         with tempfile.TemporaryDirectory(prefix=".oracle-judge-dry-") as tmp:
             caps = [Bundle(self._merge(k, p, Path(tmp) / n, False)) for (k, p), n in zip(self.inputs, self.names)]
             src = replayable(caps)
             check_same_step(caps[src], caps[1 - src], self.names[1 - src])
             est = self.estimates(caps)
             order = self.stage_names(self.precisions(caps))
-        lines = [f"dry run: oracle judge {self.names[0]} vs {self.names[1]}: {len(order)} stages"
-                 + (f", streamed within --max-memory {self.max_memory}" if self.max_memory else "")
+        refused = self.refusals(est)
+        over = [s for s in order if est.get(s, {}).get("refusal")]
+        within = (f", streamed within --max-memory {self.max_memory}" if not over
+                  else f", --max-memory {self.max_memory}: {', '.join(over)} ABOVE it") if self.max_memory else ""  # fmt: skip
+        lines = [f"dry run: oracle judge {self.names[0]} vs {self.names[1]}: {len(order)} stages" + within
                  + (f", --nproc {self.nproc}" if self.nproc > 1 else ""),
                  f"  {'stage':<24} {'time':>10} {'GFLOP':>10} {'peak memory':>12} {'disk':>10}"]  # fmt: skip
         for s in order:
             e = est.get(s, {"seconds": 0, "flops": 0, "memory": 0, "disk": 0})
-            lines.append(f"  {s:<24} {duration(e['seconds']):>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}")
+            lines.append(f"  {s:<24} {duration(e['seconds']):>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}"
+                         + ("  ABOVE --max-memory" if e.get("refusal") else ""))  # fmt: skip
         tot = sum(e["seconds"] for e in est.values())
         lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
                      f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe and the planner's time on this machine, now)")  # fmt: skip
-        return "\n".join(lines)
+        return "\n".join(lines), refused
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -360,6 +380,9 @@ class Judge:
             order = self.stage_names(self.precisions(caps))
             progress.total = len(order)
         progress.estimates = self.estimates(caps)
+        refused = self.refusals(progress.estimates)
+        if refused:  # before any replay: hours of truth are not spent on a judge whose band cannot run
+            raise UsageError("oracle judge: " + "; ".join(refused) + " (oracle judge ... --dry-run shows every stage)")
         progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
         budget = {"max_memory": self.budget}
         truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),

@@ -1,0 +1,36 @@
+"""judge --dry-run and the run agree with each replay stage's own budget check: a stage above
+--max-memory is marked, named with what it needs, the header never says "within", and both the dry run
+and the run exit 2 before any replay (the run leaves no --out behind)."""
+
+from __future__ import annotations
+
+from helpers import run_oracle
+
+from oracle.pipeline.judge import Judge
+
+
+def test_judge_dry_run_refuses_exactly_the_stages_their_replays_would(fp32_capture, amp_capture, tmp_path):
+    fits = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run", "--max-memory", "2G"])
+    assert fits.returncode == 0, fits.stderr
+    assert "streamed within --max-memory 2G" in fits.stdout and "ABOVE" not in fits.stdout
+    low = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run", "--max-memory", "300M"])
+    assert low.returncode == 2, low.stderr
+    assert "within" not in low.stdout.splitlines()[0], low.stdout
+    marked = [ln.split()[0] for ln in low.stdout.splitlines() if ln.endswith("ABOVE --max-memory")]
+    assert marked == ["truth", "band-fp32", "band-amp-bf16"], low.stdout
+    assert "would not fit --max-memory" in low.stderr and "raise it to at least" in low.stderr and "Traceback" not in low.stderr
+    # each band stage's own replay dry run refuses the same budget (the two dry runs agree)
+    own = run_oracle(["replay", amp_capture, "--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "300M", "--dry-run"])
+    assert own.returncode == 2, own.stdout + own.stderr
+    run = run_oracle(["judge", fp32_capture, amp_capture, "--max-memory", "300M", "--out", tmp_path / "j"])
+    assert run.returncode == 2 and "would not fit" in run.stderr, run.stderr
+    assert not (tmp_path / "j").exists()
+
+
+def test_refusals_name_only_the_stages_above_the_budget_and_the_budget_that_would_do():
+    est = {"truth": {"refusal": None, "fixed": 10 << 30, "by": "layers.0"},
+           "band-bf16": {"refusal": "too small", "fixed": 19 << 30, "by": "layers.0"},
+           "score": {"seconds": 1}}  # fmt: skip
+    (msg,) = Judge.refusals(est)
+    assert "band-bf16 (about 19.00 GiB" in msg and "truth" not in msg and "at least 20.9G" in msg
+    assert Judge.refusals({"truth": {"refusal": None}}) == []
