@@ -91,8 +91,11 @@ def test_the_capture_root_suggests_its_pre_folder(tmp_path):
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     """SIGINT inside a command (the demo, after its first capture): exit 130, one line on stderr, no traceback."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # SIGINT's default action restored in the child: a test run started in the background by a
+    # non-interactive shell (CI) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-m", "oracle", "demo", "--dir", str(tmp_path / "demo")], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)  # fmt: skip
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     for line in p.stderr:
         if line.startswith("captured"):
             break
