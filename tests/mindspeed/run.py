@@ -46,7 +46,7 @@ def ranks(name: str, *args: str, world: int, env: dict | None = None, tag: str,
 
 
 def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, capture: bool = True,
-                   python: str = VENV) -> tuple[str, list[dict]]:  # fmt: skip
+                   python: str = VENV, plain_first: bool = False) -> tuple[str, list[dict]]:  # fmt: skip
     """The 910B path of the user's PACKED step, captured as the user would (harness for other tests).
 
     ms-swift 3.12.1's NPU branch with MindSpeed 0016137 (its adaptor and ``repatch``) on the CPU
@@ -59,7 +59,9 @@ def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, captu
     ``{"TORCH_NPU_STANDIN_FAULTS": "attention_cross_boundary"}``, tests/npu_standin/npu_ops/faults.py).
     ``capture=False``: the same run without them. Returns (``OUT/capture``, each rank's report: the
     ops called, ``tnd_actual_seq_qlen``, the main_grads' sha256, ...); each rank's main_grads are in
-    ``OUT/raw/grads_post.rankN.safetensors``. For example::
+    ``OUT/raw/grads_post.rankN.safetensors``. ``plain_first``: each rank runs the same call once before,
+    uncaptured (``ORACLE_CAPTURE_STEP=1`` captures the second; the report is the second's), its main_grads
+    in ``OUT/raw/grads_post_plain.rankN.safetensors``: non-invasiveness without a second run. For example::
 
         cap, reports = packed_capture(str(tmp_path / "910b"), "bf16",
                                       env={"TORCH_NPU_STANDIN_FAULTS": "attention_cross_boundary"})
@@ -71,5 +73,7 @@ def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, captu
                     os.path.join(ROOT, "tests", "swift"), hf], check=True, capture_output=True, timeout=600)  # fmt: skip
     cap = os.path.join(out, "capture")
     e = {"PYTHONPATH": ROOT, **({"ORACLE_CAPTURE": cap, "ORACLE_CAPTURE_MODULES": "layers"} if capture else {}), **(env or {})}
+    if plain_first:
+        e.update(SWIFT_STEP_PLAIN_FIRST="1", ORACLE_CAPTURE_STEP="1")
     res = ranks("swift_npu_step.py", out, hf, "2", dtype, "packed", world=2, env=e, tag="SWIFT", python=python)
     return cap, [r for r, _ in res]

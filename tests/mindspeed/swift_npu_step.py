@@ -13,10 +13,14 @@ ms-swift's own packing collation of 3 samples, tests/swift/packed.py, ``padding_
 ``get_batch`` builds THD ``PackedSeqParams`` with ``cu_seqlens_*_padded`` as on NPU and MindSpeed's
 attention runs ``npu_fusion_attention`` in TND; full uniform recompute of every layer) (the tiny model is written there if it is not yet;
 TP > 1: one process per rank, launched by run.ranks, sequence parallel on). ``MINDSPEED_STEP_ARGS``
-(JSON) adds flags to the arguments before ``repatch``, e.g. ``{"use_fused_rotary_pos_emb": true}``."""
+(JSON) adds flags to the arguments before ``repatch``, e.g. ``{"use_fused_rotary_pos_emb": true}``.
+``SWIFT_STEP_PLAIN_FIRST=1``: the same call runs once before, on the same weights and batch, its
+main_grads saved to OUT/raw/grads_post_plain.rankN.safetensors (with ``ORACLE_CAPTURE_STEP=1`` that one
+is not captured and the second is: a non-invasiveness proof in one process)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -118,19 +122,27 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
     else:
         sample = tiny.sample(seq_multiple=tp)
     seq = sample["input_ids"].shape[1]
-    ddp.zero_grad_buffer()
-    npu_ops.CALLS.clear()
     from npu_ops import attention
 
-    attention.TND_SEQ_QLEN.clear()
-    losses = get_forward_backward_func()(forward_step_func=trainer.forward_step, data_iterator=iter([sample]),
-                                         model=[ddp], num_microbatches=1, seq_length=seq, micro_batch_size=1,
-                                         decoder_seq_length=seq, forward_only=False)  # fmt: skip
-    grads = {n: p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
+    def step():  # a fresh copy of the batch: ms-swift's get_batch changes it in place
+        ddp.zero_grad_buffer()
+        npu_ops.CALLS.clear()
+        npu_ops.faults.reset_counts()
+        attention.TND_SEQ_QLEN.clear()
+        return get_forward_backward_func()(forward_step_func=trainer.forward_step, data_iterator=iter([copy.deepcopy(sample)]),
+                                           model=[ddp], num_microbatches=1, seq_length=seq, micro_batch_size=1,
+                                           decoder_seq_length=seq, forward_only=False)  # fmt: skip
+
     from safetensors.torch import save_file
 
     rank = int(os.environ.get("RANK", 0))
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    if os.environ.get("SWIFT_STEP_PLAIN_FIRST") == "1":  # the same call first, uncaptured (ORACLE_CAPTURE_STEP=1)
+        step()
+        save_file({n: p.main_grad.detach().clone() for n, p in ddp.named_parameters()},
+                  os.path.join(out, "raw", f"grads_post_plain.rank{rank}.safetensors"))  # fmt: skip
+    losses = step()
+    grads = {n: p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
     save_file(grads, os.path.join(out, "raw", f"grads_post.rank{rank}.safetensors"))
 
     report = {"ops_called": dict(npu_ops.CALLS), "tnd_actual_seq_qlen": attention.TND_SEQ_QLEN,

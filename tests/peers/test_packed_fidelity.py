@@ -10,11 +10,12 @@ collation (3 samples of 55, 39 and 81 tokens, images in the first and the third,
 - 910B path (``.venv-mindspeed``): ms-swift's NPU branch with MindSpeed 0016137 (adaptor, repatch)
   on the CPU torch_npu stand-in, ``npu_fusion_attention`` in TND, harness ``run.packed_capture``.
 
-Each step runs once per session (``steps``); a path whose environment is not built is skipped.
+Each step runs once per session (``steps`` in conftest.py, shared with test_two_paths_judge.py, whose
+packed judge work folder also holds the H20 bf16 truth and band this file scores against); a path
+whose environment is not built is skipped.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,40 +28,8 @@ from oracle.integrations.megatron.rankview import compare_rank, rank_view
 from oracle.replay.run import replay
 from oracle.score.scorer import score
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "swift"))
-sys.path.insert(0, str(TESTS / "mindspeed"))
-import rank_capture  # noqa: E402  (tests/swift/rank_capture.py: stdlib only at import)
-import run as ms_run  # noqa: E402  (tests/mindspeed/run.py: stdlib only)
-
-PATHS = {"h20": rank_capture.VENV, "910b": ms_run.VENV}
 CU_SEQLENS = [0, 55, 94, 175, 176]  # ms-swift's collation: 3 samples, then the SP pad token alone
 LAYERS = [f"model.language_model.layers.{i}" for i in range(4)]
-
-
-def _need(path):
-    if not os.path.exists(PATHS[path]):
-        pytest.skip(f"the {path} path's environment ({os.path.relpath(PATHS[path], TESTS.parent)}) is not built")
-
-
-@pytest.fixture(scope="session")
-def steps(tmp_path_factory):
-    """steps(path, dtype, capture=True) -> (OUT, OUT/capture, the run's reports or None); each once."""
-    root, cache = tmp_path_factory.mktemp("packed"), {}
-
-    def get(path, dtype, capture=True):
-        _need(path)
-        key = (path, dtype, capture)
-        if key not in cache:
-            out = str(root / f"{path}-{dtype}-{'captured' if capture else 'plain'}")
-            if path == "h20":
-                cache[key] = (out, rank_capture.packed_capture(out, dtype, capture=capture), None)
-            else:
-                cap, reports = ms_run.packed_capture(out, dtype, capture=capture)
-                cache[key] = (out, cap, reports)
-        return cache[key]
-
-    return get
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +47,10 @@ def merged(steps, tmp_path_factory):
     return get
 
 
-def _raw_grads(path, out, rank):
-    f = os.path.join(out, "raw", f"rank{rank}", "grads_post.safetensors") if path == "h20" else \
-        os.path.join(out, "raw", f"grads_post.rank{rank}.safetensors")  # fmt: skip
+def _raw_grads(path, out, rank, plain=False):
+    f = "grads_post_plain" if plain else "grads_post"
+    f = os.path.join(out, "raw", f"rank{rank}", f"{f}.safetensors") if path == "h20" else \
+        os.path.join(out, "raw", f"{f}.rank{rank}.safetensors")  # fmt: skip
     return load_file(f)
 
 
@@ -133,13 +103,18 @@ def test_the_packed_fp32_rank_view_matches_each_ranks_own_capture(path, rank, me
 
 
 @pytest.mark.parametrize("path", ["h20", "910b"])
-def test_the_packed_bf16_step_is_within_its_emulated_band(path, merged, tmp_path):
+def test_the_packed_bf16_step_is_within_its_emulated_band(path, merged, request, tmp_path):
     """bf16 with fp32 main_grad, packed: every judged gradient within its band (the largest error of
     four emulated bf16 runs of the same packed step, times the scorer's margin 3): the device run is
     one more draw of that noise, so with 77 gradients some exceed the largest of four draws (measured:
     at most 1.15x on H20, 1.07x on 910B), none comes near the margin."""
-    cap, oracle = merged(path, "bf16")
-    band = replay(cap, tmp_path / "band", dtype="bf16", ensemble=4)
+    if path == "h20":  # the judge's work folder made exactly these from the same capture: merge, fp64, 4 bf16 runs
+        judged = request.getfixturevalue("packed_judged")
+        judged("")
+        cap, oracle, band = (judged.root / "judge" / s for s in ("merge-H20", "truth", "band-bf16"))
+    else:
+        cap, oracle = merged(path, "bf16")
+        band = replay(cap, tmp_path / "band", dtype="bf16", ensemble=4)
     c = score(oracle, [cap], band_paths=[band])["captures"][0]
     assert len(c["params"]) == 77 and c["verdict"]["class"] == "within_noise", c["verdict"]
     assert all(p["class"] == "within_noise" for p in c["params"])
@@ -149,10 +124,13 @@ def test_the_packed_bf16_step_is_within_its_emulated_band(path, merged, tmp_path
 @pytest.mark.parametrize("path", ["h20", "910b"])
 def test_the_capture_leaves_the_packed_bf16_main_grads_bitwise_unchanged(path, steps):
     """ORACLE_CAPTURE with ORACLE_CAPTURE_MODULES=layers changes nothing: every rank's main_grads
-    after the bf16 packed step are bitwise those of the same run without it."""
-    got, _, _ = steps(path, "bf16")
-    want, _, _ = steps(path, "bf16", capture=False)
+    after the bf16 packed step are bitwise those of the same call without it. Both calls run in the
+    captured run's own ranks on the same weights and batch, the uncaptured one FIRST (so nothing the
+    capture might leave behind can reach it; ``ORACLE_CAPTURE_STEP=1`` captures the second), and the
+    capture is of the second call (it holds module boundaries: the recorders ran)."""
+    out, cap, _ = steps(path, "bf16")
+    assert Bundle(Path(cap) / "pre" / "rank00000").get("modules"), "the captured call recorded no module boundaries"
     for rank in (0, 1):
-        a, b = _raw_grads(path, got, rank), _raw_grads(path, want, rank)
+        a, b = _raw_grads(path, out, rank), _raw_grads(path, out, rank, plain=True)
         assert sorted(a) == sorted(b) and len(a) == 92
         assert [n for n in a if not torch.equal(a[n], b[n])] == []

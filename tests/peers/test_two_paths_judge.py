@@ -7,86 +7,33 @@ then judged by the real CLI in this interpreter. Faults are planted in the 910B 
 (``TORCH_NPU_STANDIN_FAULTS``, tests/npu_standin/npu_ops/faults.py) and each must be found with the
 right run, layer, direction and op class; the SP norm one as a framework finding.
 
-Wall time: one capture is ~1-2 min per path on two cores; the judge runs every case in ONE work
-folder, so the truth and the band (replayed from run A, the honest H20 capture, which every case
-shares) are computed once and reused by content (oracle/pipeline/workfolder.py), and only the 910B
-merge, score, local replay and explain are redone per fault.
+The same cases on the user's PACKED bf16 step (tests/swift/packed.py: 3 samples, 2 images, an SP pad
+singleton; ``steps`` in conftest.py, the honest captures being test_packed_fidelity.py's): honest vs
+honest, and ``attention_cross_boundary`` (npu_fusion_attention's TND backward lets the first query of
+each packed sample see the previous sample's last key, forward exact) at layer 0 (found) and at the last
+layer (exactly null on this batch: that query's label is masked, so its gradient there is 0).
+On the packed 910B step the ViT's 3 attention calls are TND too (one segment per image) and their
+backward calls come after the 4 decoder layers' ones, so ``@0`` is the last decoder layer, ``@3`` layer 0.
 
-``capture(path, env)`` is the only place that knows how a path's step is run: the packed step
-replaces it (a different script or arguments) without touching the cases. Skipped where either
-pinned environment is not built (``.ci/swift-env``, ``.ci/mindspeed-env``).
+Wall time: one capture is ~1-2 min per path on two cores; each step judged shares ONE work folder
+(conftest.py ``Judged``), so run A's merge, truth and band (the honest H20 capture, which every case of
+that step shares) are computed once and reused by content (oracle/pipeline/workfolder.py), and only
+the 910B merge, score, local replay and explain are redone per fault. Skipped where either pinned
+environment is not built (``.ci/swift-env``, ``.ci/mindspeed-env``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "swift"))
-sys.path.insert(0, str(ROOT / "tests" / "mindspeed"))
-import rank_capture  # noqa: E402  (stdlib only)
-import run as ms_run  # noqa: E402  (stdlib only)
 
-MS_VENV = ROOT / ".venv-mindspeed" / "bin" / "python"
-STEP = {"tp": 2, "sp": True, "dtype": "bf16"}  # the user's TP 2 + SP, bf16 with fp32 main_grad; unpacked today
 LAYERS = 4  # tests/swift/tiny.py's decoder depth: backward call K of a per-layer op is layer LAYERS - 1 - K
+ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not (rank_capture.available() and MS_VENV.exists()),
+pytestmark = pytest.mark.skipif(not all((ROOT / v).exists() for v in (".venv-swift", ".venv-mindspeed")),
                                 reason="the pinned ms-swift (.venv-swift) or MindSpeed (.venv-mindspeed) env is not built")
-
-
-def capture(path: str, out: Path, env: dict[str, str] | None = None) -> Path:
-    """One step of ``path`` ("H20" or "910B") captured by ORACLE_CAPTURE (module boundaries of the decoder
-    layers) with ``env`` added to its ranks' environment; -> the rank folder ``OUT/capture/pre``."""
-    env = {"ORACLE_CAPTURE_MODULES": "layers", **(env or {})}
-    if path == "H20":
-        rank_capture.env_capture(str(out), tp=STEP["tp"], sp=STEP["sp"], dtype=STEP["dtype"], env=env)
-    else:
-        env.update(PYTHONPATH=str(ROOT), ORACLE_CAPTURE=str(out / "capture"))
-        res = ms_run.ranks("swift_npu_step.py", str(out), str(out / "hf"), str(STEP["tp"]), STEP["dtype"], world=STEP["tp"],
-                           env=env, tag="SWIFT", python=str(MS_VENV))  # fmt: skip
-        (out / "step.json").write_text(json.dumps([r for r, _ in res]))
-    return out / "capture" / "pre"
-
-
-class Judged:
-    """``oracle judge H20 910B`` in one work folder; each 910B capture judged once (its JSON report kept)."""
-
-    def __init__(self, root: Path, h20: Path):
-        self.root, self.h20, self.done, self.folders = root, h20, {}, {}
-
-    def __call__(self, faults: str) -> tuple[dict, str]:
-        """The 910B step with ``faults`` planted (``TORCH_NPU_STANDIN_FAULTS``; "" honest), judged."""
-        if faults not in self.done:
-            b = capture("910B", self.root / (faults.replace(",", "+").replace("@", "_") or "honest"),
-                        {"TORCH_NPU_STANDIN_FAULTS": faults} if faults else None)  # fmt: skip
-            self.folders[faults], self.done[faults] = b, self.judge(b, faults)
-        return self.done[faults]
-
-    def judge(self, b: Path, label: str) -> tuple[dict, str]:
-        """``oracle judge`` (the console command's module, a subprocess) of the honest H20 capture and ``b``:
-        (judge.json, stdout + stderr); a copy of the report is kept per label."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN"))}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        p = subprocess.run([sys.executable, "-m", "oracle", "judge", str(self.h20), str(b), "--recipe", "qwen3-vl",
-                            "--name", "H20", "--name", "910B", "--out", str(self.root / "judge")], env=env, cwd=self.root,
-                           capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-        doc = json.loads((self.root / "judge" / "report" / "judge.json").read_text())
-        (self.root / f"judge-{label or 'honest'}.txt").write_text(p.stdout)
-        return doc, p.stdout + p.stderr
-
-
-@pytest.fixture(scope="module")
-def judged(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two-paths")
-    return Judged(root, capture("H20", root / "h20"))
 
 
 def _row(doc: dict, key: str, run: str = "910B") -> dict:
@@ -161,12 +108,12 @@ def test_an_sp_norm_weight_gradient_never_summed_across_tp_is_a_framework_findin
     assert row["adds_up"] and row["shortfall"] > 0.1, row  # each rank holds about half; their sum is the gradient
 
 
-def test_an_op_class_that_cannot_be_determined_says_why_and_which_capture_settles_it(judged, tmp_path):
+def test_an_op_class_that_cannot_be_determined_says_why_and_which_capture_settles_it(judged, unpacked_capture, tmp_path):
     """The attention fault at layer 0 captured WITHOUT module boundaries: born is read end to end (layer 0,
     backward) and the op class is undetermined, with the reason (no boundaries; not a plain scale) and the
     capture that settles it (ORACLE_CAPTURE_MODULES=layers), in JSON, in the text and in the first line."""
-    b = capture("910B", tmp_path / "bare", {"TORCH_NPU_STANDIN_FAULTS": f"attention_causal_leak@{LAYERS - 1}",
-                                             "ORACLE_CAPTURE_MODULES": ""})  # fmt: skip
+    b = unpacked_capture("910B", tmp_path / "bare", {"TORCH_NPU_STANDIN_FAULTS": f"attention_causal_leak@{LAYERS - 1}",
+                                                      "ORACLE_CAPTURE_MODULES": ""})  # fmt: skip
     doc, out = judged.judge(b, "bare")
     assert doc["answers"]["noise"]["faulty"] == ["910B"]
     born = _row(doc, "born")
@@ -200,3 +147,61 @@ def test_npu_matmul_add_fp32_accumulating_in_bf16_is_within_the_band_at_one_micr
     judged("")
     assert bf16_values(judged.folders["matmul_add_bf16"]) and bf16_values(judged.h20)
     assert not bf16_values(judged.folders[""])
+
+
+def test_honest_packed_bf16_runs_of_the_two_paths_are_both_honest(packed_judged):
+    """The packed step, honest H20 path vs honest 910B path (TND attention on the stand-in): both within
+    their own bf16 band; the only framework finding is ms-swift's unreduced vision gradients, on both alike."""
+    doc, out = packed_judged("")
+    a = doc["answers"]
+    assert a["noise"]["faulty"] == [] and all(r["honest"] for r in a["noise"]["per_run"]), doc["headline"]
+    assert doc["headline"].startswith("answer: both runs are honest noise of their own precision; no device bug")
+    fw = a["framework"]
+    assert fw["only"] == {"H20": [], "910B": []} and len(fw["shared"]) == 39
+    assert all(n.startswith("model.visual.") for n in fw["shared"])
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("layer", [0])
+def test_a_packed_attention_backward_that_sees_across_a_sample_boundary_is_found_at_its_layer(packed_judged, steps, layer):
+    """npu_fusion_attention's TND backward lets the first query of each packed sample see the previous
+    sample's last key (forward exact) at one decoder layer of the packed 910B run: the judge names 910B,
+    that layer, the backward, op class attention. The fault did cross a boundary: the loss is bitwise the
+    honest one (the forward is untouched), the planted call was the one counted, and main_grads differ."""
+    faults = f"attention_cross_boundary@{LAYERS - 1 - layer}"
+    doc, out = packed_judged(faults)
+    _expect_device_fault(doc, layer, out)
+    o = _row(doc, "op_class")
+    assert o["class"] == "attention" and o["source"] == "explain, then the gradient path", o
+    assert "a wrong result, not a precision" in o["text"], o["text"]
+    assert doc["headline"].endswith("op class: attention; framework finding in H20 and 910B alike: 39 gradient(s) never "
+                                    "reduced across TP ranks"), doc["headline"]  # fmt: skip
+    _, _, honest = steps("910b", "bf16")
+    _, cap, faulty = steps("910b", "bf16", faults=faults)
+    for h, f in zip(honest, faulty):
+        # 4 decoder layers' backward calls, then the ViT's 3 (TND too, not planted): each counted once
+        assert f["fault_calls"]["attention_cross_boundary"] == 7, f["fault_calls"]
+        assert f["reported"] == h["reported"] and f["reported"], (f["reported"], h["reported"])  # the loss, bitwise
+        changed = [n for n in h["grads_sha256"] if f["grads_sha256"][n] != h["grads_sha256"][n]]
+        assert f"layers.{layer}.self_attention.linear_qkv.weight" in " ".join(changed), changed
+        above = [n for n in changed if any(f"layers.{k}." in n for k in range(layer + 1, LAYERS))]
+        assert above == [], above  # the layers above the planted one are bitwise the honest run's
+
+
+def test_the_cross_boundary_fault_at_the_last_layer_is_exactly_null_on_this_batch_and_judged_honest(packed_judged, steps):
+    """The same fault at the LAST decoder layer changes nothing: the first query of each packed sample is a
+    prompt token whose label is masked (-100), so at the last layer its output gradient is exactly 0 and
+    the extra key in its backward row adds 0 (measured: every main_grad bitwise the honest run's); the
+    judge rightly says both honest. At layer 0 the same query has a gradient from the layers above."""
+    from oracle.bundle.store import Bundle
+
+    doc, _ = packed_judged("attention_cross_boundary@0")
+    assert doc["answers"]["noise"]["faulty"] == [], doc["headline"]
+    _, _, honest = steps("910b", "bf16")
+    _, _, faulty = steps("910b", "bf16", faults="attention_cross_boundary@0")
+    for h, f in zip(honest, faulty):
+        assert f["fault_calls"]["attention_cross_boundary"] == 7, f["fault_calls"]  # the planted call ran
+        assert f["grads_sha256"] == h["grads_sha256"] and f["reported"] == h["reported"]
+    b = Bundle(packed_judged.root / "judge" / "merge-910B")
+    labels, cu = b.load("inputs", "labels")[0], b.get("megatron")["seq_lengths"]["cu_seqlens"]
+    assert [int(labels[s]) for s in cu[1:-1]] == [-100] * 3  # each later sample's first query: no loss

@@ -19,7 +19,9 @@ and ``config.finalize_model_grads_func`` to record, per rank, into ``OUT/raw/ran
 ``batch`` (as the model received it) as safetensors, and ``meta.json`` (loss sum, token count,
 per-parameter TP layout marks, timings). ``OUT/hf`` is the tiny HF directory whose
 ``model.safetensors`` holds the same weights in transformers' layout. ``SWIFT_PEER_FAULT`` in the
-environment plants a device fault in the run (``plant_fault``).
+environment plants a device fault in the run (``plant_fault``); ``SWIFT_PEER_PLAIN_FIRST=1`` runs the
+same call once before on the same weights and batch, its main_grads in ``grads_post_plain`` (with
+``ORACLE_CAPTURE_STEP=1`` that one is not captured and the second is: non-invasiveness in one process).
 
     from peer import run
     info = run(out_dir, tp=2, sp=True, dtype="bf16")
@@ -27,6 +29,7 @@ environment plants a device fault in the run (``plant_fault``).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -278,18 +281,24 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
     else:
         sample = __import__("tiny").sample(seq_multiple=tp)
     seq = sample["input_ids"].shape[1]
-    ddp.zero_grad_buffer()
-    t0 = time.time()
-    losses = get_forward_backward_func()(
-        forward_step_func=trainer.forward_step, data_iterator=iter([sample]), model=[ddp], num_microbatches=1,
-        seq_length=seq, micro_batch_size=1, decoder_seq_length=seq, forward_only=False)  # fmt: skip
-    step_s = time.time() - t0
-    config.finalize_model_grads_func = finalize
+
+    def step():  # a fresh copy of the batch: ms-swift's get_batch changes it in place
+        ddp.zero_grad_buffer()
+        return get_forward_backward_func()(
+            forward_step_func=trainer.forward_step, data_iterator=iter([copy.deepcopy(sample)]), model=[ddp], num_microbatches=1,
+            seq_length=seq, micro_batch_size=1, decoder_seq_length=seq, forward_only=False)  # fmt: skip
 
     from safetensors.torch import save_file
 
     d = os.path.join(out_dir, "raw", f"rank{rank}")
     os.makedirs(d, exist_ok=True)
+    if os.environ.get("SWIFT_PEER_PLAIN_FIRST") == "1":  # the same call first, uncaptured (ORACLE_CAPTURE_STEP=1)
+        step()
+        save_file(rec["post"], os.path.join(d, "grads_post_plain.safetensors"))
+    t0 = time.time()
+    losses = step()
+    step_s = time.time() - t0
+    config.finalize_model_grads_func = finalize
     params = dict(ddp.named_parameters())
     save_file({n: p.detach().contiguous() for n, p in params.items()}, os.path.join(d, "weights.safetensors"))
     save_file(rec["pre"], os.path.join(d, "grads_pre.safetensors"))

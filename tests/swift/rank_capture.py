@@ -55,7 +55,7 @@ def env_capture(out: str, tp: int = 1, sp: bool = False, dtype: str = "fp32", ti
 
 
 def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, capture: bool = True,
-                   timeout: float = 600.0) -> str:  # fmt: skip
+                   timeout: float = 600.0, plain_first: bool = False) -> str:  # fmt: skip
     """The H20 path of the user's PACKED step, captured as the user would (harness for other tests).
 
     ms-swift 3.12.1's own Megatron Qwen3-VL on megatron-core 0.12.1 in ``.venv-swift``, TP 2 + SP,
@@ -65,14 +65,18 @@ def packed_capture(out: str, dtype: str = "bf16", env: dict | None = None, captu
     ``ORACLE_CAPTURE=OUT/capture`` and ``ORACLE_CAPTURE_MODULES=layers`` in its environment, plus
     ``env`` (e.g. peer.py's ``SWIFT_PEER_FAULT``). ``capture=False``: the same run without them.
     Returns ``OUT/capture`` (rank folders under ``pre/`` and ``post/``); each rank's main_grads as
-    the run saw them are in ``OUT/raw/rankN/grads_post.safetensors``. For example::
+    the run saw them are in ``OUT/raw/rankN/grads_post.safetensors``. ``plain_first``: each rank runs the
+    same call once before, uncaptured (``ORACLE_CAPTURE_STEP=1`` captures the second), its main_grads in
+    ``OUT/raw/rankN/grads_post_plain.safetensors``: the capture's non-invasiveness without a second run.
+    For example::
 
         cap = packed_capture(str(tmp_path / "h20"), "bf16")
         merged = merge_ranks([Path(cap) / "pre"], tmp_path / "h20.cap", recipe="qwen3-vl")
     """
     if capture:
         return env_capture(out, tp=2, sp=True, dtype=dtype, timeout=timeout, packed=True,
-                           env={"ORACLE_CAPTURE_MODULES": "layers", **(env or {})})  # fmt: skip
+                           env={"ORACLE_CAPTURE_MODULES": "layers", **(env or {}),
+                                **({"SWIFT_PEER_PLAIN_FIRST": "1", "ORACLE_CAPTURE_STEP": "1"} if plain_first else {})})  # fmt: skip
     e = {k: v for k, v in os.environ.items() if not k.startswith("ORACLE_")}
     e.update(PYTHONPATH=os.pathsep.join([ROOT, HERE]), **(env or {}))
     cmd = [VENV, os.path.join(HERE, "peer.py"), out, "--tp", "2", "--sp", "--dtype", dtype, "--packed"]
