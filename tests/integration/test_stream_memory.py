@@ -64,7 +64,7 @@ def test_a_partial_spill_is_estimated_by_whole_tensors_oldest_first(fp32_capture
 
 
 def test_the_journal_holds_input_gradients_only_while_resume_needs_them(fp32_capture, tmp_path, monkeypatch):
-    """A finished unit's input gradients are dropped once the units feeding it are finished: at most a few are held."""
+    """A finished unit's input gradients are dropped once the units feeding it have their shards journalled: at most a few are held."""
     held = []
     original = engine._Journal.write_unit
 
@@ -75,7 +75,10 @@ def test_the_journal_holds_input_gradients_only_while_resume_needs_them(fp32_cap
     monkeypatch.setattr(engine._Journal, "write_unit", spy)
     out = replay(fp32_capture, tmp_path / "s", max_memory=8 << 30)
     n_calls = len(held)
-    assert n_calls >= 10 and max(held) <= 4, held  # 12 units; kept: the block feeding on a resident table, the frontier
+    # 12 units; kept: the block feeding on a resident table, the frontier, and an input gradient until every
+    # unit producing it has its shard journalled (dropped earlier, a kill between lost it: measured 5 at most,
+    # test_stream_kills.py::test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise)
+    assert n_calls >= 10 and max(held) <= 5, held
     _ = out
 
 

@@ -49,6 +49,8 @@ def test_only_the_streamed_replay_command_restarts(fp32_capture, tmp_path, monke
     or another command never does."""
     from helpers import invoke
 
+    from oracle.cli import app as app_module
+
     calls = []
 
     def fake(argv):
@@ -56,6 +58,7 @@ def test_only_the_streamed_replay_command_restarts(fp32_capture, tmp_path, monke
         raise SystemExit(0)  # the restarted process would carry on from here
 
     monkeypatch.setattr(pages, "restart", fake)
+    monkeypatch.setattr(app_module, "_PROGRAM", True)  # as the console script's main() sets it (never a host process)
     invoke("replay", fp32_capture, "--out", tmp_path / "a", "--max-memory", "1G", "--no-verify")
     assert calls == [list(sys.orig_argv)]
     invoke("replay", fp32_capture, "--out", tmp_path / "b", "--max-memory", "1G", "--dry-run")
