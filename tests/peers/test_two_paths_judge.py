@@ -188,6 +188,27 @@ def test_a_packed_attention_backward_that_sees_across_a_sample_boundary_is_found
         assert above == [], above  # the layers above the planted one are bitwise the honest run's
 
 
+def test_an_off_by_one_key_segment_in_the_packed_backward_is_found_at_the_last_layer(packed_judged, steps):
+    """``attention_kv_offset`` at the LAST decoder layer of the packed 910B run: its TND backward starts
+    each later sample's key window at the previous boundary, so every query of samples 2 and 3 (their
+    loss-bearing answer tokens too) also sees the whole previous sample (forward exact). The judge names 910B,
+    the last layer, the backward, op class attention; the loss is bitwise the honest one and the planted
+    layer's own gradients moved (where the packed cross-boundary fault, which moves only each sample's
+    first, loss-free query, is exactly null: the test below)."""
+    layer = LAYERS - 1
+    doc, out = packed_judged("attention_kv_offset@0")
+    _expect_device_fault(doc, layer, out)
+    o = _row(doc, "op_class")
+    assert o["class"] == "attention", o
+    _, _, honest = steps("910b", "bf16")
+    _, _, faulty = steps("910b", "bf16", faults="attention_kv_offset@0")
+    for h, f in zip(honest, faulty):
+        assert f["fault_calls"]["attention_kv_offset"] == 7, f["fault_calls"]
+        assert f["reported"] == h["reported"] and f["reported"], (f["reported"], h["reported"])  # the loss, bitwise
+        changed = [n for n in h["grads_sha256"] if f["grads_sha256"][n] != h["grads_sha256"][n]]
+        assert f"layers.{layer}.self_attention.linear_qkv.weight" in " ".join(changed), changed
+
+
 def test_the_cross_boundary_fault_at_the_last_layer_is_exactly_null_on_this_batch_and_judged_honest(packed_judged, steps):
     """The same fault at the LAST decoder layer changes nothing: the first query of each packed sample is a
     prompt token whose label is masked (-100), so at the last layer its output gradient is exactly 0 and

@@ -220,6 +220,7 @@ def _attn_sbh(a, b, c):  # MindSpeed's unpacked call: SBH, causal (sparse_mode 2
 
 FAULT_CASES = {
     "attention_cross_boundary": (_attn_tnd, lambda: (_rand(16, 4, 8), _rand(16, 2, 8, seed=2), _rand(16, 2, 8, seed=3))),
+    "attention_kv_offset": (_attn_tnd, lambda: (_rand(16, 4, 8), _rand(16, 2, 8, seed=2), _rand(16, 2, 8, seed=3))),
     "attention_causal_leak": (_attn_sbh, lambda: (_rand(6, 1, 32), _rand(6, 1, 16, seed=2), _rand(6, 1, 16, seed=3))),
     "rotary_sin_sign": (lambda a, c, s: npu_ops.npu_rotary_position_embedding(a, c, s, 0),
                         lambda: (_rand(5, 2, 8), _rand(5, 1, 8, seed=2), _rand(5, 1, 8, seed=3))),
@@ -250,6 +251,19 @@ def test_attention_fault_moves_only_the_first_query_of_each_later_sample_and_its
     rows = lambda a, b: sorted(set((a != b).any(-1).any(-1).nonzero().flatten().tolist()))  # noqa: E731
     assert rows(gs[0], fgs[0]) == [5, 6, 9, 10]
     assert rows(gs[1], fgs[1]) == [4, 5, 6, 8, 9, 10] and rows(gs[2], fgs[2]) == [4, 5, 6, 8, 9, 10]
+
+
+def test_kv_offset_fault_moves_every_query_of_each_later_sample_and_the_earlier_samples_keys():
+    """The key window started one boundary early reaches dQ at every token of each later sample (5-15
+    here, not the first sample's 0-4) and dK/dV at the first sample's keys (0-4), which honestly only
+    its own queries see."""
+    fn, inputs = FAULT_CASES["attention_kv_offset"]
+    _, gs = _grads(fn, *inputs())
+    with faults.planted("attention_kv_offset"):
+        _, fgs = _grads(fn, *inputs())
+    rows = lambda a, b: sorted(set((a != b).any(-1).any(-1).nonzero().flatten().tolist()))  # noqa: E731
+    assert rows(gs[0], fgs[0]) == list(range(5, 16))
+    assert set(range(0, 5)) <= set(rows(gs[1], fgs[1])) and set(range(0, 5)) <= set(rows(gs[2], fgs[2]))
 
 
 def test_matmul_add_bf16_fault_rounds_the_accumulation():

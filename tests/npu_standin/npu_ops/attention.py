@@ -88,11 +88,14 @@ def _from_bnsd(o, layout):
     return o.squeeze(0).transpose(0, 1)  # (1, N, T, D) -> TND (T, N, D)
 
 
-def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_boundary=False, causal_leak=False):
+def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_boundary=False, causal_leak=False,
+             kv_offset=False):
     """Boolean (B|1, 1, S_q, S_kv): which keys each query sees. In TND the samples' blocks on the
     diagonal, each shaped by the mode; ``cross_boundary`` (a planted fault) also lets each sample's
-    first query see the previous sample's last key. Other layouts: ``causal_leak`` (a planted
-    fault) drops the causal mask: every query also sees the keys after it."""
+    first query see the previous sample's last key; ``kv_offset`` (a planted fault: each later
+    sample's key window starts at the previous boundary, an index off by one into the cumulative
+    ``actual_seq_kvlen``) lets every query of each later sample see the whole previous sample. Other layouts: ``causal_leak`` (a planted fault) drops the causal
+    mask: every query also sees the keys after it."""
     if layout != "TND":
         m = mask
         if m is not None and m.dim() == 2:
@@ -109,13 +112,15 @@ def _allowed(layout, sq, skv, mode, pre, nxt, mask, qlen, kvlen, device, cross_b
         raise ValueError(f"npu_fusion_attention: actual_seq_qlen has {len(qs)} samples, actual_seq_kvlen {len(ks)}")
     m = None if mask is None else (mask if mask.dim() == 2 else mask.reshape(mask.shape[-2:]))
     ok = torch.zeros(sq, skv, dtype=torch.bool, device=device)
-    prev_last_key = None
+    prev_last_key = prev_start = None
     for (q0, q1), (k0, k1) in zip(qs, ks):
         if q1 > q0 and k1 > k0:
             ok[q0:q1, k0:k1] = _sample_allowed(q1 - q0, k1 - k0, mode, pre, nxt, m, device)
             if cross_boundary and prev_last_key is not None:
                 ok[q0, prev_last_key] = True
-            prev_last_key = k1 - 1
+            if kv_offset and prev_last_key is not None:
+                ok[q0:q1, prev_start:k0] = True
+            prev_last_key, prev_start = k1 - 1, k0
     return ok[None, None]
 
 
@@ -160,6 +165,8 @@ class _FusionAttention(torch.autograd.Function):
         if layout == "TND":
             if faults.hit("attention_cross_boundary"):
                 ok = rebuild(cross=True)
+            if faults.hit("attention_kv_offset"):
+                ok = rebuild(offset=True)
         elif faults.hit("attention_causal_leak"):
             ok = rebuild(leak=True)
         c = compute_dtype(q, k, v)
@@ -213,9 +220,10 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
         raise ValueError(f"npu_fusion_attention: head_num {n} does not match the query's {tuple(query.shape)} ({layout})")
     sq, skv = _to_bnsd(query, layout).shape[2], _to_bnsd(key, layout).shape[2]
 
-    def build(cross=False, leak=False):
+    def build(cross=False, leak=False, offset=False):
         return _allowed(layout, sq, skv, int(sparse_mode), int(pre_tockens), int(next_tockens), atten_mask,
-                        actual_seq_qlen, actual_seq_kvlen, query.device, cross_boundary=cross, causal_leak=leak)  # fmt: skip
+                        actual_seq_qlen, actual_seq_kvlen, query.device, cross_boundary=cross, causal_leak=leak,
+                        kv_offset=offset)  # fmt: skip
 
     out, mx, sm = _FusionAttention.apply(query, key, value, build(), float(scale), layout, build)
     if layout == "TND":  # stats (1, N, T, 1) -> (T, N, 1)

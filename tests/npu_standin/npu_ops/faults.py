@@ -10,6 +10,10 @@ layer and ``@L-1`` layer 0 (under full recompute too: the recomputed forward is 
 - ``attention_cross_boundary``: npu_fusion_attention's backward lets the first query of every packed
   segment but the first also see the previous segment's last key (TND only: a packed boundary;
   calls in other layouts are not counted).
+- ``attention_kv_offset``: npu_fusion_attention's TND backward starts each later packed segment's key
+  window at the previous boundary (an index off by one into the cumulative ``actual_seq_kvlen``, the
+  kind a leading 0 invites): EVERY query of every segment but the first also sees the whole previous
+  segment (the loss-bearing queries too, so it acts at the last layer as well; TND only).
 - ``attention_causal_leak``: the same kind for an unpacked batch (MindSpeed's SBH call, any layout
   but TND; TND calls are not counted): the backward runs without the causal mask, every query also
   sees the keys after it (as a backward kernel handed another sparse_mode than the forward's).
@@ -39,6 +43,7 @@ from collections import Counter
 ENV = "TORCH_NPU_STANDIN_FAULTS"
 FAULTS = {"attention_cross_boundary": "npu_fusion_attention", "rotary_sin_sign": "npu_rotary_position_embedding",
           "matmul_add_bf16": "npu_matmul_add_fp32", "attention_causal_leak": "npu_fusion_attention",
+          "attention_kv_offset": "npu_fusion_attention",
           "rope_sin_sign": "rope_utils._apply_rotary_pos_emb_bshd", "sp_norm_unreduced": "finalize_model_grads"}  # fmt: skip
 
 _planted: list[str] = []
