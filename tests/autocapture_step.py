@@ -32,7 +32,6 @@ import json  # noqa: E402
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-
 # -- the cases (tests/integration/test_autocapture_guard.py, tests/swift/test_autocapture.py) ----------------
 AS_ROOT = os.geteuid() == 0
 LONG = "x" * 300  # one path component longer than NAME_MAX (255)

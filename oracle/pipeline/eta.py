@@ -37,7 +37,6 @@ After each stage (``Calibration``)
 
 from __future__ import annotations
 
-
 # Fixed cost per pass in probes (planner runs), measured on the tiny Qwen3-VL of ``oracle demo`` on
 # 2 shared cores (load 6-15, with and without one more busy core): the truth (float64 + its
 # certificate) 15-25 planner runs (7-22 s at 0.46-1.0 s a run); an emulated band member a share of

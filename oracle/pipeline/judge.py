@@ -31,8 +31,7 @@ from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
 from . import answers as answers_mod
-from . import workfolder
-from . import eta
+from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = 4

@@ -42,7 +42,7 @@ def build():
     torch.manual_seed(0)
     layer = build_module(spec, config=config, layer_number=1)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
+        for p in layer.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
     return layer, config

@@ -37,7 +37,6 @@ def init_ranks(tp):
         return init_one_rank()
     import torch
     from megatron.core import parallel_state
-
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.distributed.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

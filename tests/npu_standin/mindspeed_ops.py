@@ -41,7 +41,6 @@ class _RopeSinSign:
     @staticmethod
     def make(inner):
         import torch
-
         from npu_ops import faults
 
         class Fn(torch.autograd.Function):

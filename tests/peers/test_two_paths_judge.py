@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-
 LAYERS = 4  # tests/swift/tiny.py's decoder depth: backward call K of a per-layer op is layer LAYERS - 1 - K
 ROOT = Path(__file__).resolve().parents[2]
 

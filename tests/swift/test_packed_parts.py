@@ -17,11 +17,10 @@ CU = [0, 5, 7, 12, 13]  # 3 samples and a 1-token pad sample
 
 
 def _attention(monkeypatch, heads=4, groups=2, hn=8):
+    import te_thd
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    import te_thd
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * hn, num_attention_heads=heads, num_query_groups=groups)

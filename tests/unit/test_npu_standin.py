@@ -77,8 +77,8 @@ def test_swiglu_forward_and_backward_are_the_formulas():
     """npu_swiglu(x, dim) = silu(a)*b over x's halves along dim; its backward equals autograd's."""
     for dim in (-1, 0):
         x = _rand(6, 8)
-        out, (dx,) = _grads(lambda t: npu_ops.npu_swiglu(t, dim=dim), x)
-        ref, (rdx,) = _grads(lambda t: torch.nn.functional.silu(t.chunk(2, dim)[0]) * t.chunk(2, dim)[1], x)
+        out, (dx,) = _grads(lambda t, dim=dim: npu_ops.npu_swiglu(t, dim=dim), x)
+        ref, (rdx,) = _grads(lambda t, dim=dim: torch.nn.functional.silu(t.chunk(2, dim)[0]) * t.chunk(2, dim)[1], x)
         _close(out, ref), _close(dx, rdx)
     with pytest.raises(ValueError, match="odd size 7"):
         npu_ops.npu_swiglu(_rand(2, 7))

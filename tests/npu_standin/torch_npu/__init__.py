@@ -27,7 +27,6 @@ import npu_ops as _ops  # noqa: E402
 from . import npu  # noqa: E402
 
 
-
 class _HcclOptions:
     """``ProcessGroupHCCL.Options`` without ``hccl_config`` (as in older torch_npu): MindSpeed's
     profiler wrapper of ``get_nccl_options`` then leaves megatron-core's options as they are (the
