@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -96,6 +97,17 @@ def duration(s: float) -> str:
     return f"{s / 60:.1f} min" if s < 5400 else f"{s / 3600:.1f} h"
 
 
+KILL_STAGE_ENV = "ORACLE_TEST_KILL_STAGE"  # "NAME:start" or "NAME:end": fault injection for tests only
+
+
+def _test_kill(name: str, event: str) -> None:
+    """SIGKILL this process at a stage's start (its line said, nothing produced) or end (its output and
+    key written, its line said) when ``ORACLE_TEST_KILL_STAGE`` names that moment: a point every run
+    reaches, no timer (tests/peers/test_judge.py kills judge there and reruns it)."""
+    if os.environ.get(KILL_STAGE_ENV) == f"{name}:{event}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Progress:
     """One line per stage start and end: ``[judge 3/8] truth: ... (this stage ~20 s, ETA 1.5 min)``,
     ``... done in 18.9 s (estimated 20 s), 0.01 GFLOP/s; ETA 1.2 min``.
@@ -128,6 +140,7 @@ class Progress:
         own = self.estimate(name)
         this = f"this stage ~{duration(own)}, " if own else ""
         self.echo(f"[judge {self.done + 1}/{self.total}] {name}: {what} ... ({this}{self._eta()})")
+        _test_kill(name, "start")
         return time.perf_counter()
 
     def skip(self, name: str, why: str) -> None:
@@ -151,6 +164,7 @@ class Progress:
         rate = f", {flops / dt / 1e9:.2f} GFLOP/s" if flops and dt > 0 else ""
         said = f" (estimated {duration(said_estimate)})" if said_estimate else ""
         self.echo(f"[judge {self.done}/{self.total}] {name}: done in {dt:.1f} s{said}{rate}; {self._eta()}")
+        _test_kill(name, "end")
 
 
 class Stages:

@@ -39,7 +39,8 @@ def _journalled(work: Path) -> dict[str, list[str]]:
 def test_an_amp_band_member_killed_anywhere_in_its_backward_resumes_bitwise(amp_capture, tmp_path):
     """Killed five times in a row (text and vision backward of the oracle-like member and of a
     jittered member, between a call's input gradients and its unit's shard, during a resume), the
-    same command ends bitwise equal to an uninterrupted run, loss and backward order included."""
+    same command ends bitwise equal to an uninterrupted run, loss, backward order and the count of
+    promoted casts (``numerics``) included."""
     out, whole = tmp_path / "o", tmp_path / "whole"
     args = ("--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "1G")
     work = tmp_path / ".o.partial"
@@ -63,6 +64,7 @@ def test_an_amp_band_member_killed_anywhere_in_its_backward_resumes_bitwise(amp_
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = Bundle(out), Bundle(whole)
     assert a.get("backward_order") == b.get("backward_order") and a.get("loss") == b.get("loss")
+    assert a.get("numerics") == b.get("numerics")  # the promotions of skipped calls counted from the journal
     for group in b.member_groups():
         ga, gb = a.load_group(group), b.load_group(group)
         assert sorted(ga) == sorted(gb)
@@ -210,3 +212,23 @@ def test_a_work_folder_left_after_publishing_is_named_and_overwrite_settles_it(f
     assert streaming["resumed"] and "recomputed" not in streaming, streaming
     again = Bundle(out).load_group("grads")
     assert sorted(again) == sorted(first) and [n for n in first if not torch.equal(first[n], again[n])] == []
+
+
+def test_a_killed_float64_truth_resumes_with_an_uninterrupted_runs_manifest(fp32_capture, tmp_path):
+    """The float64 truth killed twice (after a call's input gradients, after a unit's shard) ends with the
+    manifest of an uninterrupted streamed run: gradients bitwise, backward order, and ``numerics.promotions``
+    (the casts promoted in the calls a resumed run skips are counted from their journal records)."""
+    out, whole = tmp_path / "o", tmp_path / "whole"
+    args = ("--max-memory", "8G")
+    for kill in ("0:2:any", "0:2"):
+        r = subprocess.run(_cmd(fp32_capture, out, *args), cwd=ROOT, env=_env(**{KILL_ENV: kill}), capture_output=True, text=True)
+        assert r.returncode == -signal.SIGKILL, (kill, r.stderr[-2000:])
+    for o in (out, whole):
+        r = subprocess.run(_cmd(fp32_capture, o, *args), cwd=ROOT, env=_env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = Bundle(out), Bundle(whole)
+    assert a.get("streaming")["resumed"] and not b.get("streaming").get("resumed")
+    assert b.get("numerics")["promotions"] > 0
+    assert a.get("numerics") == b.get("numerics") and a.get("backward_order") == b.get("backward_order")
+    ga, gb = a.load_group("grads"), b.load_group("grads")
+    assert sorted(ga) == sorted(gb) and [n for n in gb if not torch.equal(ga[n], gb[n])] == []

@@ -395,8 +395,12 @@ def test_the_framework_findings_name_a_loss_convention_and_unreduced_partial_sum
 
 
 # -- kills anywhere, foreign --out folders, inputs changed in place (issue 30) ---------------------
-KILLS = [("merge-NPU: merge", 0.3), ("truth: replay", 0.5), ("truth: done", 0.0), ("score: score", 0.0),
-         ("report: write", 0.0)]  # fmt: skip
+# Where each killed run dies (one run per moment, in order). Every moment but the first is a point every run reaches,
+# no timer: ORACLE_TEST_KILL (the streamed truth kills itself after journalling its 2nd unit) and ORACLE_TEST_KILL_STAGE
+# (oracle/pipeline/stages.py: at a stage's start or right after its output and key are written). The first is
+# SIGKILL 0.3 s after the NPU merge says it starts: inside the merge, or a little later on a fast machine.
+KILLS = [("line", "merge-NPU: merge"), ("ORACLE_TEST_KILL", "0:2"), ("ORACLE_TEST_KILL_STAGE", "truth:end"),
+         ("ORACLE_TEST_KILL_STAGE", "score:start"), ("ORACLE_TEST_KILL_STAGE", "report:start")]  # fmt: skip
 
 
 def _leftovers(work: Path) -> list[str]:
@@ -408,30 +412,24 @@ def _leftovers(work: Path) -> list[str]:
 
 def test_judge_killed_at_each_stage_boundary_then_rerun_ends_with_the_same_report_and_no_leftovers(runs, judged, tmp_path):
     """SIGKILL inside a merge, inside the streamed truth, right after the truth, as the score starts and as the
-    report is written (each run is killed at the first of these moments still ahead, so a stage that finished
-    faster than the delay is not waited for); each rerun resumes where the last one stopped; the last one ends
-    with the report of an uninterrupted run and nothing of the killed runs is left in the folder."""
+    report is written (one run killed at each moment, in order, KILLS); each rerun resumes where the last one
+    stopped; the last one ends with the report of an uninterrupted run and nothing of the killed runs is left."""
     import time
 
-    work, i, killed = tmp_path / "work", 0, []
-    while i < len(KILLS):
-        p = subprocess.Popen(_cmd(runs, work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO)
-        hit, seen = None, []
+    work = tmp_path / "work"
+    for how, moment in KILLS:
+        env = _env() if how == "line" else {**_env(), how: moment}
+        p = subprocess.Popen(_cmd(runs, work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
+        seen = []
         for line in p.stderr:
             seen.append(line)
-            hit = next((k for k in range(i, len(KILLS)) if KILLS[k][0] in line), None)
-            if hit is not None:
-                time.sleep(KILLS[hit][1])
+            if how == "line" and moment in line:
+                time.sleep(0.3)
                 p.send_signal(signal.SIGKILL)
                 break
         p.wait(timeout=300)
-        if hit is None or p.returncode == 0:  # the run ended before the moment came
-            break
-        assert p.returncode == -signal.SIGKILL, "".join(seen)
+        assert p.returncode == -signal.SIGKILL, (how, moment, "".join(seen))
         assert not (work / "report" / "judge.json").exists()
-        killed.append(KILLS[hit][0])
-        i = hit + 1
-    assert len(killed) >= 4, killed
     again = subprocess.run(_cmd(runs, work), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
     assert again.returncode == 0, again.stderr
     for stage in ("merge-H20", "merge-NPU", "truth", "band-fp32", "score"):

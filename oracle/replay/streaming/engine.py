@@ -277,6 +277,7 @@ class StreamEngine:
         skip = self.journal.unit_done(call.unit) if self.agreed is None else call.unit in self.agreed
         assert saved is not None or self.agreed is None or not skip, f"{call.unit} agreed finished, no input gradients"
         if saved is not None and skip:
+            self.mode.promotions += self.journal.promoted.get((call.unit, call.index), 0)  # as if recomputed here
             self.store.take(call.handle)
             self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
             if self.done_calls[call.unit] == self.calls[call.unit]:  # the order an uninterrupted run records
@@ -287,6 +288,7 @@ class StreamEngine:
         if call.unit in self.by_rows:
             return self._backward_rows(call, grad_outs)
         module = self.model.get_submodule(call.unit)
+        promoted = self.mode.promotions  # this call's promotions are journalled: a resumed run counts them too
         tensors = self.store.take(call.handle)
         inputs = []
         for t, req, low in zip(tensors, call.requires, call.low):
@@ -323,7 +325,8 @@ class StreamEngine:
         del inputs, out, outs, pairs
         self.done_calls[call.unit] = self.done_calls.get(call.unit, 0) + 1
         last = self.done_calls[call.unit] == self.calls[call.unit]
-        self.journal.record_call(call.unit, call.index, grads, [self.mode._is_low(g) for g in grads])
+        self.journal.record_call(call.unit, call.index, grads, [self.mode._is_low(g) for g in grads],
+                                 promotions=self.mode.promotions - promoted)  # fmt: skip
         if last:
             acc = self.pending.pop(call.unit)
             done = [p for p in seen if p in acc] + [p for p in self.unit_params[call.unit] if p in acc and p not in seen]
@@ -479,9 +482,12 @@ class _Journal:
         self.units: dict[str, dict] = {}
         self.calls: dict[tuple[str, int], str] = {}
         self.dropped: set[tuple[str, int]] = set()
+        self.promoted: dict[tuple[str, int], int] = {}  # each journalled call's promotions (precision/mode.py)
         self.written = 0  # bytes of the files written (shards and input gradients)
         records, self.note = workdir.valid_records(work, self.dir)  # signed, inside, hash-checked; else cut there
         for rec in records:
+            if rec["kind"] == "call":
+                self.promoted[(rec["unit"], rec["index"])] = int(rec.get("promotions", 0))
             if rec["kind"] == "drop":
                 self.dropped.add((rec["unit"], rec["index"]))
                 continue
@@ -538,10 +544,13 @@ class _Journal:
         low = d.pop("__low__", torch.zeros(n, dtype=torch.bool)).tolist()
         return [(d.get(str(i)), bool(low[i])) for i in range(n)]
 
-    def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None], low: list[bool] | None = None) -> None:
+    def record_call(self, unit: str, index: int, grads: list[torch.Tensor | None], low: list[bool] | None = None,
+                    promotions: int = 0) -> None:  # fmt: skip
         """Journal a finished call's input gradients and, for amp emulation, which were held in low
         precision: a resumed run hands them on marked alike, so the sums they meet in the glue round
-        (and draw a member's jitter) as an uninterrupted run's do."""
+        (and draw a member's jitter) as an uninterrupted run's do. ``promotions``: the lower-precision
+        casts the call's recomputation and backward promoted, which a resumed run that skips the call
+        adds to its count, so the manifest's ``numerics.promotions`` is an uninterrupted run's."""
         if self.call_recorded(unit, index):
             return
         f = f"gin-{_slug(unit)}-{index}.safetensors"
@@ -551,7 +560,8 @@ class _Journal:
         self._save(tensors, self.dir / f)
         self.calls[(unit, index)] = f
         sha = {k: tensor_sha256(t) for k, t in tensors.items()}
-        self._append({"kind": "call", "unit": unit, "index": index, "file": f, "sha256": sha})
+        self.promoted[(unit, index)] = promotions
+        self._append({"kind": "call", "unit": unit, "index": index, "file": f, "sha256": sha, "promotions": promotions})
 
     def new_shard(self) -> Path:
         self._shard += 1
