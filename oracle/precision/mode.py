@@ -266,13 +266,21 @@ class PrecisionMode(TorchDispatchMode):
         if x.device.type == "meta":  # a placeholder (an evicted unit's parameter) holds no value: nothing to round,
             return x  # and the jitter stream must not move
         r = x.to(self.round_to).to(self.compute)
-        if self._gen is not None:
-            u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
-            # jitter in float64 (1 + u is not representable in float32); values the format holds
-            # exactly (integers, indices, masks) are never moved
-            keep = (r == x) if self.round_to != self.compute else (x == x.round())
-            r = torch.where(keep, r, (x.double() * (1 + u)).to(self.round_to).to(self.compute))
-        return r
+        if self._gen is None:
+            return r
+        if self.round_to != self.compute:  # bf16 / fp16 computed in float32
+            keep = r == x  # values the format holds exactly (integers, indices, masks) are never moved
+            if bool(keep.all()):  # the result of a rounded op met again as an operand: nothing to move, no draw
+                return r
+            # x (1 + u) as x + x u in float32: u is drawn in float32 (|u| <= 2^-9 for bf16, so u itself
+            # is exact to ~2^-33) and the two float32 roundings of x u and of the sum move the point
+            # rounded by at most 2^-24 |x|, 1/2^16 of a bf16 ulp: the draw stays uniform on a grid of
+            # 2^15 points per quarter ulp. (float64 here cost 4.5x the float64 truth per member.)
+            u = torch.empty_like(x).uniform_(-self._jitter, self._jitter, generator=self._gen)
+            return torch.where(keep, r, torch.addcmul(x, x, u).to(self.round_to).to(self.compute))
+        # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u needs float64
+        u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
+        return torch.where(x == x.round(), r, (x.double() * (1 + u)).to(self.round_to).to(self.compute))
 
     def _is_low(self, x: Any) -> bool:
         r = self._low.get(id(x))

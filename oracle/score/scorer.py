@@ -385,7 +385,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
         out_of_band = [p for p in present if by_name[p]["class"] != WITHIN]
         first = min(out_of_band, key=lambda p: rank.get(p, len(rank))) if out_of_band and rank else worst
         layer_rows.append({"name": lab, "rel_l2" if not norms_only else "norm_dev": err, "band": band, "band_low": band_low,
-                           "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
+                           "members": members, "excess": excess, "class": cls, "worst_param": worst, "first_param": first,
                            "norm_ratio": agg.get("norm_ratio"), "n_params": len(present)})  # fmt: skip
 
     verdict = _verdict(plan, params, layer_rows, rows, margin, norms_only, rank)

@@ -61,6 +61,21 @@ def test_jitter_members_differ_but_keep_exact_values():
     assert all(torch.equal(o[1], ints) for o in outs)  # integers are never moved
 
 
+def test_a_jittered_member_draws_nothing_for_an_operand_already_in_the_format():
+    """An operand a rounded op produced is already bf16: rounding it again moves nothing and draws no
+    jitter (the generator's state is unchanged), while an unrounded value draws and moves."""
+    mode = PrecisionMode(torch.float32, torch.bfloat16, "all", jitter_seed=3)
+    held = (torch.randn(4096) * 3).to(torch.bfloat16).float()
+    state = mode._gen.get_state()
+    assert torch.equal(mode._round(held), held) and torch.equal(mode._gen.get_state(), state)
+    fresh = torch.randn(4096) * 3
+    moved = mode._round(fresh)
+    assert not torch.equal(mode._gen.get_state(), state)
+    assert torch.equal(moved, moved.to(torch.bfloat16).float())  # lands on the format's grid
+    plain = fresh.to(torch.bfloat16).float()
+    assert (moved != plain).any() and ((moved - plain).abs() <= (plain.abs() * 2**-7)).all()  # one ulp at most
+
+
 def test_amp_mode_propagates_low_precision_from_inputs_held_in_bf16():
     """Fed bf16-held inputs, an op outside autocast's lists runs in bf16 (rounded, held low) on CPU;
     CUDA's float32 list keeps exp in fp32; a bf16 and an fp32 operand promote to fp32."""
