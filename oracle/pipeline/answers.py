@@ -62,7 +62,37 @@ def noise(score: dict[str, Any]) -> dict[str, Any]:
     faulty = [r["run"] for r in rows if not r["honest"]]
     text = ("; ".join(f"{r['run']}: {'honest noise' if r['honest'] else 'NOT honest noise'} against its own band "
                       f"({r['band']}, worst {r['excess']:.2f}x)" for r in rows))  # fmt: skip
-    return {"per_run": rows, "faulty": faulty, "text": text}
+    return {"per_run": rows, "faulty": faulty, "text": text, "band": band_meaning(score)}
+
+
+def band_meaning(score: dict[str, Any]) -> dict[str, Any]:
+    """What "within the band" means, stated with the numbers of this judge. The band of a parameter or a
+    layer is the LARGEST of K emulated members' rel L2 against the truth (score/scorer.py), and a run is
+    beyond noise above ``margin`` x that. The members and an honest run are exchangeable draws of the same
+    rounding, so an honest run exceeds the largest of K members with probability 1/(K+1); the margin (3)
+    covers that draw and the emulation's own fidelity (real autocast vs emulated, median ratio 0.9,
+    score/tolerance.py). How far apart the members are (``spread``: the smallest member over the largest,
+    the lowest over the layers) says how much a larger K would widen the band: the members of a layer's
+    rel L2 sum many independent roundings, so they lie close (>= 0.90 at every layer with 4 members,
+    benchmarks/band_cost.py), and K = 2 gives nearly the band K = 4 does at half the cost."""
+    runs = []
+    for c in score["captures"]:
+        members = [r.get("members") or [] for r in c["layers"]]
+        k = max((len(m) for m in members), default=0)
+        spread = min((min(m) / max(m) for m in members if m and max(m) > 0), default=None)
+        runs.append({"run": c["name"], "members": k, "spread": spread})
+    margin = score.get("margin")
+    lines = []
+    for r in runs:
+        if r["members"] == 0:
+            lines.append(f"{r['run']}: no emulated band; the tolerance table's expected error for its precision stands in")
+            continue
+        spread = (f"; its smallest member is >= {r['spread']:.2f} of its largest at every layer"
+                  if r["spread"] is not None else "")  # fmt: skip
+        lines.append(f"{r['run']}: band = the largest of {r['members']} emulated members' rel L2 per parameter and layer "
+                     f"(an honest run exceeds it with probability ~1/{r['members'] + 1}); beyond noise above "
+                     f"{margin:g}x it{spread}")  # fmt: skip
+    return {"per_run": runs, "margin": margin, "lines": lines}
 
 
 def farther(score: dict[str, Any]) -> dict[str, Any]:

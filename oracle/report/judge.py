@@ -65,6 +65,8 @@ def render_answers(doc: dict[str, Any]) -> str:
         lines.append(q)
         lines.append(f"   {a[key]['text']}")
         lines += _per_run_lines(key, a[key])
+        if key == "noise" and a[key].get("band"):
+            lines += [f"   {x}" for x in a[key]["band"]["lines"]]
         if key == "noise" and a.get("bound"):
             lines += [f"   {x}" for x in bound_lines(a["bound"])]
     lines += ["", "not concluded:"] + [f"   - {x}" for x in doc["not_concluded"]]
@@ -125,6 +127,8 @@ def _html(doc: dict[str, Any], png: str) -> str:
     ]
     for key, q in QUESTIONS:
         sub = "".join(f"<li>{e(x.strip())}</li>" for x in _per_run_lines(key, a[key]))
+        if key == "noise" and a[key].get("band"):
+            sub += "".join(f"<li class='band'>{e(x)}</li>" for x in a[key]["band"]["lines"])
         if key == "noise" and a.get("bound"):
             sub += "".join(f"<li class='bound'>{e(x)}</li>" for x in bound_lines(a["bound"]))
         parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b><br>{e(a[key]['text'])}<ul>{sub}</ul></li>")

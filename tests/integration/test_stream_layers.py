@@ -127,11 +127,11 @@ def test_emulated_replays_keep_their_layers_whole(fp32_capture, tmp_path, chunk_
 def test_a_crashed_chunked_replay_resumes_bitwise(packed_text, tmp_path, small_grid, monkeypatch):
     """The run dies after two units' backward (row-chunked layers, 16-row chunks); the same call resumes
     from the journal and ends bitwise identical to an uninterrupted run."""
-    from oracle.replay.streaming import engine
+    from oracle.replay.streaming import journal
 
     _, cap = packed_text
     whole = replay(cap, tmp_path / "whole", max_memory=8 << 30, token_chunk=16)
-    original, written = engine._Journal.write_unit, []
+    original, written = journal.Journal.write_unit, []
 
     def dies(self, unit, grads):
         original(self, unit, grads)
@@ -139,10 +139,10 @@ def test_a_crashed_chunked_replay_resumes_bitwise(packed_text, tmp_path, small_g
         if len(written) == 2:
             raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(engine._Journal, "write_unit", dies)
+    monkeypatch.setattr(journal.Journal, "write_unit", dies)
     with pytest.raises(KeyboardInterrupt):
         replay(cap, tmp_path / "o", max_memory=8 << 30, token_chunk=16)
-    monkeypatch.setattr(engine._Journal, "write_unit", original)
+    monkeypatch.setattr(journal.Journal, "write_unit", original)
     out = replay(cap, tmp_path / "o", max_memory=8 << 30, token_chunk=16)
     assert Bundle(out).get("streaming")["resumed"]
     a, b = _grads(whole), _grads(out)

@@ -74,6 +74,17 @@ def test_one_command_names_the_faulty_run_module_direction_and_op_class_first(ju
     assert any("module boundaries" in x for x in doc["not_concluded"])
 
 
+def test_answer_one_states_what_the_band_is_with_this_judges_numbers(judged):
+    """Members, statistic, margin and the members' measured spread, per run, in the JSON and the text."""
+    work, res = judged
+    band = json.loads((work / "report" / "judge.json").read_text())["answers"]["noise"]["band"]
+    assert [r["members"] for r in band["per_run"]] == [2, 2] and band["margin"] == 3
+    assert all(0 < r["spread"] <= 1 for r in band["per_run"])
+    for r in band["per_run"]:
+        line = f"{r['run']}: band = the largest of 2 emulated members' rel L2 per parameter and layer"
+        assert line in res.stdout and f">= {r['spread']:.2f} of its largest" in res.stdout, res.stdout
+
+
 def test_killed_midway_and_rerun_resumes_and_ends_with_the_same_report(runs, judged):
     """SIGKILL while the band is replayed; the rerun reuses merge and truth and writes the same report."""
     work = runs / "work-killed"

@@ -25,8 +25,9 @@ from ...precision.mode import PrecisionMode
 from .. import token_split
 from . import budget as budgets
 from . import workdir
-from .engine import JOURNAL as JOURNAL_NAME
-from .engine import StreamEngine, max_rss_bytes, read_journal, rss_bytes, tame_malloc, work_dir
+from .engine import StreamEngine, max_rss_bytes, rss_bytes, tame_malloc, work_dir
+from .journal import JOURNAL as JOURNAL_NAME
+from .journal import read_journal
 
 
 def work_header(cap: Bundle, dtype: str, ensemble: int, out: Path, split: str = "tensor") -> dict[str, Any]:
