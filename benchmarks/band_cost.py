@@ -91,9 +91,13 @@ def main() -> None:
                 ms = row["members"]
                 bk, ball = max(ms[:k]), max(ms)
                 ratios.append(bk / ball)
-                excess.append(row["rel_l2"] / max(bk, 1e-300))
+                excess.append((row["rel_l2"] / max(bk, 1e-300), row["name"]))
+            worst = max(excess)
             print(f"{k:2d}  {k * member / truth:17.2f}   {min(ratios):27.2f}  {statistics.median(ratios):6.2f}   "
-                  f"{max(excess):11.2f} (margin {MARGIN:g})")  # fmt: skip
+                  f"{worst[0]:11.2f} at {worst[1]} (margin {MARGIN:g})")  # fmt: skip
+        print("per layer (backward order): the capture's rel L2 and each member's")
+        for row in layers:
+            print(f"  {row['name']:<24} {row['rel_l2']:.3e}   " + " ".join(f"{m:.3e}" for m in row["members"]))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..score.tolerance import BAND_MEMBERS
 
 Echo = Callable[[str], None]
 
@@ -26,7 +27,7 @@ class JudgeOptions:
     log_a: str | None = None
     log_b: str | None = None
     max_memory: str | None = None
-    ensemble: int = 4
+    ensemble: int = BAND_MEMBERS
     members: int = 2
     margin: float = 3.0
     dp_rank: int | None = None

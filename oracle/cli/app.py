@@ -28,6 +28,7 @@ except ImportError:  # the capture-only install (training environment): no CLI t
 from oracle import precision as precisions
 from oracle.api.guard import INTERRUPTED, guarded
 from oracle.errors import EXIT_CODES, UsageError
+from oracle.score.tolerance import BAND_MEMBERS
 
 try:  # typer >= 0.25 labels every flag `<bool>` in --help: a flag takes no value, so it gets no type label
     from typer.core import TyperOption
@@ -116,7 +117,7 @@ def judge(
     log_a: Annotated[Path | None, typer.Option("--log-a", help="Run A's grad-norm log.")] = None,
     log_b: Annotated[Path | None, typer.Option("--log-b", help="Run B's grad-norm log.")] = None,
     max_memory: Annotated[str | None, typer.Option(help="Stream the replays within this memory (16G); resumable.")] = None,
-    ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = 4,
+    ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = BAND_MEMBERS,
     members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
     margin: Margin = 3.0,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose micro-batch is the step.")] = None,

@@ -30,11 +30,12 @@ from ..precision import CAPTURE_NAMES
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
+from ..score.tolerance import BAND_MEMBERS
 from . import answers as answers_mod
 from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
-ENSEMBLE = 4
+ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
 
 
 class StageFailed(OracleError):
