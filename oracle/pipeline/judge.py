@@ -36,6 +36,24 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
+# measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
+TOKEN_PARALLEL_EFFICIENCY = 0.7
+
+
+def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int = 1) -> float:
+    """The dry run's total on ``hosts`` machines of ``cores`` cores each, from this machine's estimate
+    (``here`` threads ran the GEMM probe). A replay stage's GEMM part (its FLOPs over the probe's rate x
+    the replay's efficiency, ``gemm_seconds``) scales with the cores, the float64 GEMM being compute-
+    bound on every core; over several hosts the token-parallel split loses what its exchanges cost
+    (``TOKEN_PARALLEL_EFFICIENCY``). The rest (building, reading, writing, the score and the report)
+    is kept as measured here: it does not shrink with cores, so the figure is conservative there and
+    optimistic only if a server's per-core GEMM rate is below this machine's."""
+    total = 0.0
+    for e in est.values():
+        gemm = e.get("gemm_seconds", 0.0)
+        scale = here / (cores * hosts) / (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
+        total += (e["seconds"] - gemm) + gemm * scale
+    return total
 
 
 class StageFailed(OracleError):
@@ -269,11 +287,13 @@ class Judge:
         probe = self.probe_s = (time.perf_counter() - t0) / len(plans)
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         est["truth"] = {"seconds": base["estimated_seconds"] + eta.TRUTH_PROBES * probe, "flops": base["total_flops"],
+                        "gemm_seconds": base["estimated_seconds"],
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
             q = plans[prec]
             est[f"band-{prec}"] = {"seconds": (q["estimated_seconds"] + eta.member_probes(prec) * probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
+                                   "gemm_seconds": q["estimated_seconds"] * self.ensemble / self._spread(),
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         grads = base["disk"]["gradients"]
@@ -337,6 +357,15 @@ class Judge:
         tot = sum(e["seconds"] for e in est.values())
         lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
                      f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe and the planner's time on this machine, now)")  # fmt: skip
+        import torch
+
+        here = torch.get_num_threads()
+        for cores, hosts in ((64, 1), (64, 4)):
+            t = elsewhere(est, here, cores, hosts)
+            where = f"on one {cores}-core server" if hosts == 1 else f"on {hosts} hosts of {cores} cores (--nproc / torchrun)"
+            lines.append(f"  {where}: about {duration(t)} (the replays' GEMM time x {here}/{cores * hosts} cores"
+                         + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY}" if hosts > 1 else "")
+                         + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused
 
     # -- the run -----------------------------------------------------------------------------

@@ -34,3 +34,17 @@ def test_refusals_name_only_the_stages_above_the_budget_and_the_budget_that_woul
     (msg,) = Judge.refusals(est)
     assert "band-bf16 (about 19.00 GiB" in msg and "truth" not in msg and "at least 20.9G" in msg
     assert Judge.refusals({"truth": {"refusal": None}}) == []
+
+
+def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, amp_capture):
+    """Only the replays' GEMM part scales with the cores (and over hosts by the token-parallel efficiency);
+    fixed costs and the other stages stay as measured here. The dry run prints both lines."""
+    from oracle.pipeline.judge import TOKEN_PARALLEL_EFFICIENCY, elsewhere
+
+    est = {"truth": {"seconds": 1000.0, "gemm_seconds": 900.0}, "band-bf16": {"seconds": 700.0, "gemm_seconds": 640.0},
+           "score": {"seconds": 30.0}}  # fmt: skip
+    assert elsewhere(est, 2, 2) == 1730.0  # as many cores as here: unchanged
+    assert abs(elsewhere(est, 2, 64) - (100 + 60 + 30 + (900 + 640) * 2 / 64)) < 1e-9
+    assert abs(elsewhere(est, 2, 64, 4) - (190 + 1540 * 2 / 256 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
+    out = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run"]).stdout
+    assert "on one 64-core server: about " in out and "on 4 hosts of 64 cores" in out, out
