@@ -270,12 +270,12 @@ def test_fuzzed_cu_seqlens_are_validated_or_refused_with_exit_4(cu, restart, row
 def test_fuzzed_journals_adopt_only_our_files_and_touch_nothing_outside(tmp_path_factory, lines, sign):
     """Whatever the journal says (forged, signed with our key, garbled): only regular files of ours inside
     the member folder that match their hashes are adopted; the file outside is never moved or changed."""
-    from oracle.replay.streaming import engine, workdir
+    from oracle.replay.streaming import journal, workdir
 
     root = tmp_path_factory.mktemp("journal")
     (root / "x.safetensors").write_bytes(b"user data")
     work, adopted = workdir.open_work(root / "o", {"fingerprint": "f"})
-    j = engine._Journal(work, "grads")
+    j = journal.Journal(work, "grads")
     j.write_unit("u", {"a": torch.ones(3)})
     (work / "grads" / "link.safetensors").symlink_to(root / "x.safetensors")
     with open(work / "grads" / "journal.jsonl", "a") as f:

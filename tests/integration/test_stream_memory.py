@@ -15,7 +15,7 @@ from oracle.bundle.rows import RowWriter
 from oracle.bundle.store import Bundle, tensor_sha256, value_sha256
 from oracle.errors import UsageError
 from oracle.replay.run import replay
-from oracle.replay.streaming import engine, materialize
+from oracle.replay.streaming import journal, materialize
 from oracle.replay.streaming.plan import plan
 
 
@@ -66,13 +66,13 @@ def test_a_partial_spill_is_estimated_by_whole_tensors_oldest_first(fp32_capture
 def test_the_journal_holds_input_gradients_only_while_resume_needs_them(fp32_capture, tmp_path, monkeypatch):
     """A finished unit's input gradients are dropped once the units feeding it have their shards journalled: at most a few are held."""
     held = []
-    original = engine._Journal.write_unit
+    original = journal.Journal.write_unit
 
     def spy(self, unit, grads):
         held.append(len(list(self.dir.glob("gin-*.safetensors"))))
         return original(self, unit, grads)
 
-    monkeypatch.setattr(engine._Journal, "write_unit", spy)
+    monkeypatch.setattr(journal.Journal, "write_unit", spy)
     out = replay(fp32_capture, tmp_path / "s", max_memory=8 << 30)
     n_calls = len(held)
     # 12 units; kept: the block feeding on a resident table, the frontier, and an input gradient until every

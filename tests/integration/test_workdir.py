@@ -16,7 +16,7 @@ from helpers import invoke
 from oracle.bundle.store import Bundle
 from oracle.errors import OutputExists, UsageError
 from oracle.replay.run import replay
-from oracle.replay.streaming import engine, workdir
+from oracle.replay.streaming import journal, workdir
 
 BUDGET = 8 << 30
 
@@ -40,7 +40,7 @@ def whole(fp32_capture, tmp_path_factory):
 
 def interrupted(cap, out: Path, monkeypatch, units: int = 3) -> Path:
     """Run a streamed replay into ``out`` and stop it once ``units`` units are journalled; -> its work folder."""
-    real = engine._Journal.write_unit
+    real = journal.Journal.write_unit
     count = {"n": 0}
 
     def stop_after(self, unit, grads):
@@ -49,11 +49,11 @@ def interrupted(cap, out: Path, monkeypatch, units: int = 3) -> Path:
         if count["n"] >= units:
             raise Stop
 
-    monkeypatch.setattr(engine._Journal, "write_unit", stop_after)
+    monkeypatch.setattr(journal.Journal, "write_unit", stop_after)
     with pytest.raises(Exception) as e:
         replay(cap, out, max_memory=BUDGET)
     assert "Stop" in repr(e.value) or isinstance(e.value, Stop)
-    monkeypatch.setattr(engine._Journal, "write_unit", real)
+    monkeypatch.setattr(journal.Journal, "write_unit", real)
     work = out.parent / f".{out.name}.partial"
     assert len(workdir.valid_records(work, work / "grads")[0]) >= units
     return work
