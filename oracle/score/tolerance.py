@@ -31,6 +31,8 @@ MARGIN = 3.0
 # band's cost over the float64 truth's, in one run each):
 #     4 layers x 256, 512 tokens:    band_2 / band_4 = 1.00, one member 1.36x the truth (dispatch-bound)
 #     2 layers x 1024, 2048 tokens:  band_2 / band_4 = 1.00, one member 0.69-0.86x the truth
+#     4 layers x 256, amp-bf16:      band_2 / band_4 = 1.00;  fp32: 0.86 (median 0.92; fp32 members move
+#                                    whole ulps, precision/mode.py, so they spread wider)
 # so 2 members cost 1.4-1.7x the truth where GEMMs start to dominate (less at 8B, where a float32 GEMM
 # runs ~2x a float64 one) against 2.8-3.4x for 4; a run exceeds the larger of 2 members with
 # probability 1/3, which the margin (3x) is there for. ``--ensemble`` sets it.
