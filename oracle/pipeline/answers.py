@@ -73,9 +73,10 @@ def band_meaning(score: dict[str, Any]) -> dict[str, Any]:
     covers that draw and the emulation's own fidelity (real autocast vs emulated, median ratio 0.9,
     score/tolerance.py). How far apart the members are (``spread``: the smallest member over the largest,
     the lowest over the layers) says how much a larger K would widen the band: the members of a layer's
-    rel L2 sum many independent roundings, so they lie close (the smallest of 4 >= 0.7 of the largest at
-    every layer, and the larger of the first 2 the largest of all 4: benchmarks/band_cost.py), and K = 2
-    gives the band K = 4 does at half the cost (score/tolerance.py ``BAND_MEMBERS``)."""
+    rel L2 sum many independent roundings, so they lie close (bf16: the smallest of 4 >= 0.7 of the largest
+    at every layer, and the larger of the first 2 the largest of all 4; fp32 members, which move whole
+    ulps, spread wider: benchmarks/band_cost.py), and K = 2 gives about the band K = 4 does at half the
+    cost (score/tolerance.py ``BAND_MEMBERS``)."""
     runs = []
     for c in score["captures"]:
         members = [r.get("members") or [] for r in c["layers"]]
