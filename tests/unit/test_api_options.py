@@ -84,3 +84,18 @@ def test_capture_sample_lines():
             sample_lines(index, pack)
     with pytest.raises(UsageError, match="packing needs --sample"):
         CaptureOptions(out="o", index="0,1")
+
+
+def test_judges_band_has_two_members_by_default_wherever_judge_is_called():
+    """One default (score/tolerance.py BAND_MEMBERS, why in its comment) for the API, the pipeline and the CLI."""
+    import dataclasses
+    import inspect
+
+    from oracle.cli.app import judge as judge_command
+    from oracle.pipeline.judge import Judge
+    from oracle.score.tolerance import BAND_MEMBERS
+
+    assert BAND_MEMBERS == 2
+    assert {f.name: f.default for f in dataclasses.fields(JudgeOptions)}["ensemble"] == 2
+    assert inspect.signature(Judge.__init__).parameters["ensemble"].default == 2
+    assert inspect.signature(judge_command).parameters["ensemble"].default == 2
