@@ -48,12 +48,8 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     (``TOKEN_PARALLEL_EFFICIENCY``). The rest (building, reading, writing, the score and the report)
     is kept as measured here: it does not shrink with cores, so the figure is conservative there and
     optimistic only if a server's per-core GEMM rate is below this machine's."""
-    total = 0.0
-    for e in est.values():
-        gemm = e.get("gemm_seconds", 0.0)
-        scale = here / (cores * hosts) / (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
-        total += (e["seconds"] - gemm) + gemm * scale
-    return total
+    scale = here / (cores * hosts) / (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
+    return sum(e["seconds"] - e.get("gemm_seconds", 0.0) * (1 - scale) for e in est.values())
 
 
 class StageFailed(OracleError):
