@@ -2,11 +2,15 @@
 
     python benchmarks/user_step.py plan                     # 36 layers, 65536 tokens: the dry run at 16G
     python benchmarks/user_step.py cut [--tokens N] [--side S]   # 2 decoder layers, full ViT and head, run at 16G
+    python benchmarks/user_step.py judge                    # 36 layers, 65536 tokens: oracle judge's dry run at 16G
     options: --dir DIR (bundles; default a temporary directory), --config (Qwen3-VL-8B config.json)
 
 plan  writes a capture with Qwen3-VL-8B's shapes whose weights file is sparse (a valid safetensors
       header, its data a hole: no disk, never read), and runs ``oracle replay --dry-run --max-memory 16G``
       in a child process: does it fit, peak memory, disk while running (target < 200 GiB).
+judge writes that capture twice (``H20``, ``910B``: the same step, as judge requires) and runs
+      ``oracle judge H20 910B --dry-run --max-memory 16G`` in a child process: each stage's time, memory
+      and disk, the band's time over the truth's, the totals here, on one 64-core server and on 4 hosts.
 cut   writes a capture with seeded random bf16 weights (2 decoder layers: 2.2 B parameters, 4.4 GB) and
       runs the dry run and the streamed float64 replay at ``--max-memory 16G``, each in its own process:
       measured peak RSS (the child's VmHWM: its ru_maxrss would carry this script's own RSS) vs the dry run's estimate (target within 10 %), bytes written vs
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -71,27 +76,35 @@ def packed_inputs(cfg: dict, tokens: int, side: int) -> dict[str, torch.Tensor]:
     return get("qwen3-vl").pack_inputs(parts)
 
 
-def write_sparse_capture(path: Path, cfg: dict, inputs: dict[str, torch.Tensor]) -> Path:
-    """A capture whose weights file is a valid safetensors header over a hole (bf16, never read)."""
-    model = skeleton(get("qwen3-vl"), cfg, torch.float32)
+def _sparse_file(f: Path, model: torch.nn.Module, dtype: str, size: int) -> dict[str, dict]:
+    """A valid safetensors header over a hole (never read): the manifest entries of its tensors."""
     header, offset, entries = {}, 0, {}
     for n, p in model.named_parameters():
-        size = p.numel() * 2
-        header[n] = {"dtype": "BF16", "shape": list(p.shape), "data_offsets": [offset, offset + size]}
-        entries[n] = {"dtype": "bfloat16", "shape": list(p.shape), "sha256": "0" * 64, "value_sha256": "0" * 64}
-        offset += size
+        nbytes = p.numel() * size
+        header[n] = {"dtype": {"bfloat16": "BF16", "float32": "F32"}[dtype], "shape": list(p.shape),
+                     "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        entries[n] = {"dtype": dtype, "shape": list(p.shape), "sha256": "0" * 64, "value_sha256": "0" * 64}
+        offset += nbytes
     text = json.dumps(header)
     text += " " * (-len(text) % 8)
+    with open(f, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text.encode())
+        out.truncate(8 + len(text) + offset)  # the data: a hole
+    return entries
+
+
+def write_sparse_capture(path: Path, cfg: dict, inputs: dict[str, torch.Tensor], grads: bool = False) -> Path:
+    """A capture whose weights file (bf16) is a valid safetensors header over a hole; with ``grads``
+    its float32 gradients too (main_grad's dtype), for judge's dry run, which needs a whole capture."""
+    model = skeleton(get("qwen3-vl"), cfg, torch.float32)
     with BundleWriter(path, "capture", overwrite=True) as w:
         w.manifest.update(recipe={"name": "qwen3-vl", "config": cfg}, precision="bf16", device={"type": "cuda"},
                           versions=versions(), loss={"value": None, "reduction": "mean", "num_tokens": None},
                           metadata={"model": "Qwen3-VL-8B shapes, sparse weights (benchmark)"})  # fmt: skip
         w.add("inputs", inputs)
-        f = w._tmp / "weights.safetensors"
-        with open(f, "wb") as out:
-            out.write(struct.pack("<Q", len(text)) + text.encode())
-            out.truncate(8 + len(text) + offset)  # the data: a hole
-        w.adopt("weights", f, entries, move=True)
+        for group, dtype, size in (("weights", "bfloat16", 2), ("grads", "float32", 4))[: 2 if grads else 1]:
+            f = w._tmp / f"{group}.safetensors"
+            w.adopt(group, f, _sparse_file(f, model, dtype, size), move=True)
     return path
 
 
@@ -135,6 +148,19 @@ def bench_plan(d: Path, cfg_path: Path | None) -> dict:
     p = dry_run(cap)
     show(p)
     return p
+
+
+def bench_judge(d: Path, cfg_path: Path | None) -> int:
+    cfg = vl8b_config(36) if cfg_path is None else _config(cfg_path, 36)
+    inputs = packed_inputs(cfg, 65536, 448)
+    for name in ("H20", "910B"):
+        write_sparse_capture(d / name, cfg, inputs, grads=True)
+    cmd = [sys.executable, "-m", "oracle", "judge", "H20", "910B", "--dry-run", "--max-memory", "16G", "--out", "judged"]
+    print("judge. Qwen3-VL-8B, 36 layers, 27-block ViT, 65536 tokens from 4 packed samples; " + " ".join(["oracle", *cmd[3:]]))
+    r = subprocess.run(cmd, cwd=d, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    print(r.stdout + r.stderr)
+    print(f"   exit {r.returncode}")
+    return r.returncode
 
 
 def _config(path: Path, layers: int) -> dict:
@@ -181,7 +207,7 @@ def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["plan", "cut"])
+    ap.add_argument("which", choices=["plan", "cut", "judge"])
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--side", type=int, default=448)
@@ -192,6 +218,8 @@ def main() -> None:
     d.mkdir(parents=True, exist_ok=True)
     if a.which == "plan":
         bench_plan(d, a.config)
+    elif a.which == "judge":
+        bench_judge(d, a.config)
     else:
         bench_cut(d, a.tokens, a.side, a.config)
     if ctx:

@@ -352,7 +352,12 @@ class Judge:
                          + ("  ABOVE --max-memory" if e.get("refusal") else ""))  # fmt: skip
         tot = sum(e["seconds"] for e in est.values())
         lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
-                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from a float64 GEMM probe and the planner's time on this machine, now)")  # fmt: skip
+                     f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from float64 and float32 GEMM probes and the planner's time on this machine, now)")  # fmt: skip
+        bands = [s for s in order if s.startswith("band-")]
+        if bands and est.get("truth", {}).get("seconds"):
+            t = est["truth"]["seconds"]
+            lines.append("  the noise band next to the truth: " + ", ".join(
+                f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es))" for s in bands))
         import torch
 
         here = torch.get_num_threads()

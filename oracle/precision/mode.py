@@ -405,3 +405,39 @@ class PrecisionMode(TorchDispatchMode):
             return tuple(o if i in keep[1] else self.mark_low(self._round(o)) for i, o in enumerate(out))
         out = tree_map(self._round, out)
         return tree_map(self.mark_low, out) if amp else out
+
+
+# -- one fused kernel of the emulated device ----------------------------------------------------
+# A device's fused (flash) attention reads its bf16 operands, computes in float32 inside (no rounding
+# between its steps) and writes each result once in bf16. An emulated replay that runs such a kernel
+# as several torch ops (a decoder layer run by row chunks, oracle/replay/streaming/layers.py) must
+# not let this mode round every op of it (that would overstate the honest error), so it runs the
+# kernel with the mode set aside (``outside``) and rounds the operands and results itself, as the
+# mode rounds the fused attention op (in AMP_OPS: rounded under "all" and under amp alike).
+_FUSED_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def emulating() -> PrecisionMode | None:
+    """The active PrecisionMode when it rounds (an emulated replay), else None (the oracle, no mode)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    return mode if isinstance(mode, PrecisionMode) and mode.round_to is not None else None
+
+
+def outside():
+    """A block run with the dispatch modes set aside: torch ops compute in their operands' dtype,
+    unrounded (a fused kernel's inside; buffers written without a rounding pass over them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def kernel_io(mode: PrecisionMode | None, x: Any) -> Any:
+    """``x`` as a fused attention kernel of the emulated device reads or writes it: rounded once to the
+    emulated format (jittered in a jittered member), held low under amp. Call it ``outside`` the mode;
+    a no-op without an emulating mode or for a non-float."""
+    if mode is None or not mode._rounds(_FUSED_ATTENTION):
+        return x
+    x = mode._round(x)
+    return mode.mark_low(x) if mode.ops == "amp" else x

@@ -60,6 +60,7 @@ import torch
 from ..errors import RecipeError
 
 NAME = "oracle_chunked"
+FUSED = "oracle_fused"  # an emulated streamed replay's attention: transformers' sdpa, its decoder layers by row chunks
 CHUNK = 512
 
 
@@ -369,6 +370,40 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 
+def block_causal_mask(cu: list[int], batch: int, device=None) -> torch.Tensor:
+    """(batch, 1, T, T) bool, True = attend: query i sees key j of its own sample with j <= i; the mask
+    transformers' sdpa mask builder makes for packed samples."""
+    T = cu[-1]
+    sample = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=device))
+    i = torch.arange(T, device=device)
+    keep = (sample.view(-1, 1) == sample.view(1, -1)) & (i.view(1, -1) <= i.view(-1, 1))
+    return keep.view(1, 1, T, T).expand(batch, 1, T, T)
+
+
+def fused_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
+    """``FUSED``: an emulated streamed replay's attention. transformers' own sdpa, as the in-memory
+    emulated replay runs it (one fused op, which the PrecisionMode rounds at its output only, as a
+    device's flash attention), except that
+      - a causal call inside ``rows_call`` goes to the decoder layer run by row chunks
+        (streaming/layers.py: the same fused kernel, emulated there by ``precision.mode.kernel_io``);
+      - the causal mask of packed samples is built here from the boundaries (``_boundaries``) for the
+        call, not by the model up front: the registered mask function builds none, so a long packed
+        sequence never holds a T x T mask (65536 tokens: 4 GiB) between the layers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    rows = getattr(_state, "rows", None)
+    if rows is not None and causal:
+        chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
+        return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
+    if causal and attention_mask is None:
+        cu = _boundaries(query, True, kwargs)
+        if cu is not None and len(cu) > 2:
+            attention_mask = block_causal_mask(cu, query.shape[0], query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)  # fmt: skip
+
+
 def _probe_pattern(mask_function, n: int, causal: bool) -> None:
     """Check in O(n) probes that ``mask_function`` is causal (or bidirectional) within samples
     and blocks across them, the only patterns attention_forward computes."""
@@ -413,11 +448,13 @@ def mask_forward(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 
 
 def register(name: str = NAME) -> str:
-    """Add the attention and mask functions to transformers' registries (idempotent); returns the name."""
+    """Add the attention and mask functions to transformers' registries (idempotent); returns the name.
+    ``FUSED`` registers ``fused_attention_forward`` (an emulated streamed replay), any other name the
+    exact kernel's ``attention_forward``; both with ``mask_forward`` (no mask tensor built)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(name, attention_forward)
+    AttentionInterface.register(name, fused_attention_forward if name == FUSED else attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
     return name
 

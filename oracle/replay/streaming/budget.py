@@ -7,7 +7,7 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
     weights_u    its parameters, materialised for its forward and again for its recomputation
     grads_u      their gradients (the same size), held until the unit's shard is written
     working_u    its recomputation's autograd working set. A decoder layer run by row chunks of
-                 c rows (layers.py: float64 oracles; c = min(n, max(chunk, attention chunk))), with
+                 c rows (layers.py: the oracle and emulated members; c = min(n, max(chunk, attention chunk))), with
                  key/value width kv (k_proj's plus v_proj's outputs):
                  LAYER_WHOLE x n x w                (its input, the arriving output gradient, dx)
                + LAYER_KV x n x kv / 2              (K, V and their gradients dK, dV, whole sequence)
@@ -18,7 +18,7 @@ first linear layer) and widest per-token intermediate i (the widest linear outpu
                  LAYER_KV x T x kv / 2, and besides: its rows' dq and final dk, dv (n x (q + kv), q
                  q_proj's output width) and the exchange's buffers (T x kv: gathered parts, sent and
                  received rows).
-                 Any other unit (the ViT's blocks, emulated replays' layers), n rows at once:
+                 Any other unit (the ViT's blocks), n rows at once:
                  WORKING_PER_TOKEN x n x w          (norms, q/k/v and their norms, rotary, attention,
                                                      o_proj, residuals, and their gradients)
                + MLP_PER_TOKEN x min(n, chunk) x i  (the MLP's gate, up, activation, product, and
@@ -140,10 +140,10 @@ def tensor_counts(cap_inputs: dict[str, dict]) -> tuple[int, int]:
 
 
 def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int | None = None, *,
-         oracle: bool = True, ranks: int = 1) -> dict[str, Any]:  # fmt: skip
+         ranks: int = 1) -> dict[str, Any]:  # fmt: skip
     """The reserve of a streamed replay of ``cap`` (a Bundle) on ``model`` (its skeleton): the largest
     unit's or the head's need, named; what ``replay --max-memory`` and ``--dry-run`` both check.
-    ``oracle``: a float64 oracle replay (its decoder layers run by row chunks); False: an emulation.
+    Decoder layers run by row chunks in the float64 oracle and in emulated members alike (layers.py).
     ``ranks`` > 1: one rank of the token-parallel replay (--split tokens): its share of the text
     tokens (the largest rank's rows) and of the loss tokens, the vision tower whole (replicated),
     and per decoder layer the whole sequence's gathered K and V and their partial gradients
@@ -156,7 +156,7 @@ def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int |
     from .tokens import CHUNK
 
     units, _, head, resident = partition(model, recipe)
-    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))] if oracle else []
+    rows = [u for u in units if is_decoder_layer(model.get_submodule(u))]  # the oracle's and an emulation's alike (layers.py)
     tensors = cap.manifest["tensors"].get("inputs", {})
     T, P = tensor_counts(tensors)
     n_loss = 0

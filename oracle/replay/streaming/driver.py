@@ -93,7 +93,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         resumed = resumed or bool(engine.journal.units or engine.journal.calls)
         if engine.journal.note:
             notes.append(engine.journal.note)
-        reserve = budgets.need(cap, engine.model, recipe, compute, token_chunk, oracle=round_to is None)
+        reserve = budgets.need(cap, engine.model, recipe, compute, token_chunk)
         fixed = rss_bytes() + reserve["bytes"]
         if budget < fixed:
             if not resumed:  # the folder this run made holds nothing: a rerun must not "resume" it

@@ -38,11 +38,24 @@ and the collected K, V are every rank's, gathered. The backward cannot finish a 
 locally (later queries on other ranks read them), so it runs in two phases with one exchange
 between (``_backward_split``).
 
+Emulated (a band member streamed: ``attention.FUSED``, setup.use_replay_attention). The layer's ops
+run by chunks under the member's PrecisionMode as anywhere else, each rounded where the device rounds
+it; the attention core is its device's fused kernel: the exact kernel above in float32, run outside
+the mode (no rounding between its steps), its operands and results rounded once
+(``precision.mode.kernel_io``), the logsumexp kept unrounded, a key's dK, dV summed over every
+query chunk unrounded and rounded once when final -- what the unchunked layer's sdpa op is under
+the mode (one op, rounded at its output). The two differ only in the float32 kernel's summation
+order (the flash kernel's blocks against this kernel's), which can move a result across a bf16
+rounding boundary: equal to the unchunked member in distribution, not bitwise (a layer of at most
+one chunk runs unchunked: bitwise). A jittered member's chunk i draws the same jitter in its
+collect, compute and backward passes (``_restore``), so its recomputation is its forward.
+
 When: float64 oracle replays with the registered kernel (``attention.NAME``, or the token-parallel
-rows kernel ``token_split.NAME`` while a split step runs) only. A layer whose attention is another
-implementation (emulated replays keep the fused sdpa, setup.use_replay_attention), an attention
-mask tensor, a per-token argument that needs a gradient, or an output other than one tensor runs
-unchunked, as before (its MLP still by token chunks, tokens.py): correct, only not bounded by the chunk.
+rows kernel ``token_split.NAME`` while a split step runs) and streamed emulated replays
+(``attention.FUSED``; not split by tokens). A layer whose attention is another implementation, an
+attention mask tensor, a per-token argument that needs a gradient, or an output other than one
+tensor runs unchunked, as before (its MLP still by token chunks, tokens.py): correct, only not
+bounded by the chunk.
 """
 
 from __future__ import annotations
@@ -56,6 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import RecipeError
 from ...parallel.token_parallel import gather_rows, scatter_sum_rows
+from ...precision.mode import emulating, kernel_io, outside
 from .. import attention, token_split
 
 CHUNK = 1024  # rows per chunk: at Qwen3-VL-8B (hidden 4096, MLP 12288) one chunk's graph is ~1.1 GiB
@@ -104,7 +118,7 @@ class _Plan:
     local rows a..b-1 of the call, q0 the global row of a (a == q0 in one process); ``layout``: the
     token-parallel rank's (oracle/parallel/token_parallel.py), or None."""
 
-    __slots__ = ("leaves", "spec", "x_pos", "rows_of", "T", "cu", "spans", "grid", "layout")
+    __slots__ = ("leaves", "spec", "x_pos", "rows_of", "T", "cu", "spans", "grid", "layout", "fused", "mode", "gens")
 
     def args(self, x: torch.Tensor, a: int, b: int):
         leaves = list(self.leaves)
@@ -118,7 +132,8 @@ def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | N
     """The row plan of one call, or None: run it unchunked (see the module docstring's "When")."""
     impls = {c._attn_implementation for m in module.modules() if (c := getattr(m, "config", None)) is not None}
     split = token_split.current() if impls == {token_split.NAME} else None  # (layout, runs, cu) of a rank
-    if impls != {attention.NAME} and split is None:
+    fused = impls == {attention.FUSED}  # an emulated replay (its device's fused attention, "Emulated" above)
+    if impls != {attention.NAME} and split is None and not fused:
         return None
     leaves, spec = tree_flatten((args, kwargs))
     x_pos = 0 if args else next((i for i, v in enumerate(leaves) if v is kwargs.get("hidden_states")), None)
@@ -143,6 +158,7 @@ def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | N
             return None
     p = _Plan()
     p.leaves, p.spec, p.x_pos, p.rows_of, p.T = leaves, spec, x_pos, rows_of, T
+    p.fused, p.mode = fused, emulating() if fused else None
     p.grid = next((int(m.oracle_attention_chunk) for m in module.modules() if hasattr(m, "oracle_attention_chunk")),
                   attention.CHUNK)  # fmt: skip
     if split is not None:  # a rank's rows: its runs of global rows, the whole sequence's boundaries
@@ -156,7 +172,31 @@ def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | N
     attn_kwargs = {k: v for k, v in kwargs.items() if k in ("position_ids", "cu_seq_lens_q", "cu_seqlens")}
     p.cu = attention._boundaries(probe, True, attn_kwargs) or [0, T]
     p.spans = [(a, b, a) for a, b in spans(T, p.cu, p.grid, chunk)]
+    jitter = p.mode is not None and p.mode._gen is not None
+    p.gens = [None] * len(p.spans) if jitter else None  # each chunk's jitter stream state, set by the collect pass
     return p
+
+
+def _plain(plan: _Plan):
+    """Buffer writes of an emulated layer (K, V, y, dx, dK, dV) happen outside its rounding mode: the
+    values written are already the format's (rounded where computed); a rounding pass over a whole
+    buffer per chunk would cost O(T^2 / chunk) and round its unwritten rows."""
+    return outside() if plan.fused else contextlib.nullcontext()
+
+
+def _restore(plan: _Plan, i: int) -> None:
+    """A jittered member: chunk ``i`` draws what the collect pass drew for it, in every pass (its k, v,
+    q, the attention's rounding and the rest of the layer identical in the forward and the backward's
+    recomputation, as the unchunked layer's are)."""
+    if plan.gens is not None:
+        plan.mode._gen.set_state(plan.gens[i])
+
+
+def _held_as(plan: _Plan, buf: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """amp: a buffer of low rows is held low as its rows were (the next op decides by it)."""
+    if plan.mode is not None and plan.mode._is_low(part):
+        plan.mode.mark_low(buf)
+    return buf
 
 
 def _one_tensor(out) -> torch.Tensor:
@@ -172,20 +212,26 @@ def _collect(fn, plan: _Plan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     def write(a, b):
         def call(q, k, v, scale, chunk):
-            if not kv:
-                kv.append(k.new_empty((*k.shape[:2], plan.T, k.shape[-1])))
-                kv.append(v.new_empty((*v.shape[:2], plan.T, v.shape[-1])))
-            kv[0][:, :, a:b] = k
-            kv[1][:, :, a:b] = v
+            with _plain(plan):
+                if not kv:
+                    kv.append(k.new_empty((*k.shape[:2], plan.T, k.shape[-1])))
+                    kv.append(v.new_empty((*v.shape[:2], plan.T, v.shape[-1])))
+                kv[0][:, :, a:b] = k
+                kv[1][:, :, a:b] = v
             raise _Collected
 
         return call
 
     with torch.no_grad():
-        for a, b, _ in plan.spans:
+        for i, (a, b, _) in enumerate(plan.spans):
+            if plan.gens is not None:
+                plan.gens[i] = plan.mode._gen.get_state()
             _until_attention(fn, plan, x[:, a:b], a, b, write(a, b))
     if plan.layout is not None:
         return gather_rows(kv[0], plan.layout, 2), gather_rows(kv[1], plan.layout, 2)
+    if plan.fused:  # the fused kernel's operands as it reads them (already the format's: no draw), once
+        with outside():
+            return kernel_io(plan.mode, kv[0]), kernel_io(plan.mode, kv[1])
     return kv[0], kv[1]
 
 
@@ -235,10 +281,47 @@ def _until_attention(fn, plan: _Plan, xc: torch.Tensor, a: int, b: int, call) ->
 def _attend(plan: _Plan, K, V, q0: int):
     def call(q, k, v, scale, chunk):
         _check(plan, chunk)
+        if plan.fused:
+            return _fused_forward(plan, q, K, V, q0, scale, chunk)[1]
         out, _ = attention._forward(q.contiguous(), K, V, plan.cu, True, scale, chunk, chunk, q0=q0)
         return out
 
     return call
+
+
+def _fused_forward(plan: _Plan, q, K, V, q0: int, scale: float, chunk: int):
+    """An emulated layer's attention of rows q0.. against the whole K, V, as its device's fused kernel:
+    the exact kernel in the compute dtype (float32) outside the rounding mode, the operands and the
+    output rounded once (``kernel_io``); the logsumexp kept unrounded, as the kernel keeps it.
+    -> (q as read, out, lse)."""
+    with outside():
+        q = kernel_io(plan.mode, q.contiguous())
+        out, lse = attention._forward(q, K, V, plan.cu, True, scale, chunk, chunk, q0=q0)
+        return q, kernel_io(plan.mode, out), lse
+
+
+class _FusedRowsOfKV(torch.autograd.Function):
+    """``_RowsOfKV`` of an emulated layer (``_fused_forward``): the backward adds the chunk's queries'
+    share into dK, dV unrounded (the device's kernel sums a key's gradient over all queries inside, in
+    float32) and rounds dq and the chunk's final dK, dV rows once, as the fused backward writes them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, K, V, dK, dV, a, scale, chunk):
+        q, out, lse = _fused_forward(plan, q, K, V, a, scale, chunk)
+        ctx.save_for_backward(q, out, lse)
+        ctx.args = (plan, K, V, dK, dV, a, scale, chunk, k.shape[2])
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        plan, K, V, dK, dV, a, scale, chunk, n = ctx.args
+        with outside():
+            dout = kernel_io(plan.mode, dout.contiguous())
+            dq, _, _ = attention._backward(dout, q, K, V, out, lse, plan.cu, True, scale, chunk, chunk, q0=a, dk=dK, dv=dV)
+            dk, dv = (kernel_io(plan.mode, d[:, :, a : a + n].clone()) for d in (dK, dV))
+            return kernel_io(plan.mode, dq), dk, dv, *([None] * 8)
 
 
 def _check(plan: _Plan, chunk: int) -> None:
@@ -294,13 +377,17 @@ def _forward(fn, plan: _Plan, x: torch.Tensor, compute: bool):
     K, V = _collect(fn, plan, x)
     if not compute:
         return x.new_zeros(()).expand_as(x), K, V  # backward_only: never read
-    y = torch.empty_like(x)
+    with _plain(plan):
+        y = torch.empty_like(x)
     with torch.no_grad():
-        for a, b, q0 in plan.spans:
+        for i, (a, b, q0) in enumerate(plan.spans):
+            _restore(plan, i)
             with attention.rows_call(_attend(plan, K, V, q0)):
                 args, kwargs = plan.args(x[:, a:b], a, b)
-                y[:, a:b] = _one_tensor(fn(*args, **kwargs))
-    return y, K, V
+                yc = _one_tensor(fn(*args, **kwargs))
+            with _plain(plan):
+                y[:, a:b] = yc
+    return _held_as(plan, y, yc), K, V
 
 
 class _ChunkedLayer(torch.autograd.Function):
@@ -319,13 +406,18 @@ class _ChunkedLayer(torch.autograd.Function):
             return None, None, _backward_split(fn, plan, x, dy, ctx)
         K, V = ctx.kv
         ctx.kv = None
-        dK, dV = torch.zeros_like(K), torch.zeros_like(V)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
-        for a, b, _ in reversed(plan.spans):  # last to first: a chunk's keys are final once its own queries are done
+        with _plain(plan):
+            dK, dV = torch.zeros_like(K), torch.zeros_like(V)
+            dx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        outer = plan.mode._gen.get_state() if plan.gens is not None else None
+        for i, (a, b, _) in reversed(list(enumerate(plan.spans))):  # last to first: a chunk's keys are final once its own queries are done
+            _restore(plan, i)
             xc = x[:, a:b].detach().requires_grad_(True)
 
             def call(q, k, v, scale, chunk, a=a):
                 _check(plan, chunk)
+                if plan.fused:
+                    return _FusedRowsOfKV.apply(q, k, v, plan, K, V, dK, dV, a, scale, chunk)
                 return _RowsOfKV.apply(q, k, v, K, V, dK, dV, a, plan.cu, scale, chunk)
 
             with torch.enable_grad(), attention.rows_call(call):
@@ -333,8 +425,12 @@ class _ChunkedLayer(torch.autograd.Function):
                 yc = _one_tensor(fn(*args, **kwargs))
                 torch.autograd.backward(yc, dy[:, a:b])
             if dx is not None:
-                dx[:, a:b] = xc.grad
+                with _plain(plan):
+                    dx[:, a:b] = xc.grad
+                _held_as(plan, dx, xc.grad)
             del xc, yc
+        if outer is not None:
+            plan.mode._gen.set_state(outer)
         return None, None, dx
 
 
