@@ -15,6 +15,7 @@ Printed:
     max over members of each member's rel L2 against the truth, score/scorer.py), its smallest value
     and median over the layers, and the largest excess (capture's rel L2 / band) the capture reaches
     with K members (a smaller band can only raise it; an honest run stays far under the margin, 3).
+  - the planner's price of one member over the truth's (``judge --dry-run`` uses it), beside the measured one.
 Ratios are the result (this machine is shared and noisy), not absolute times.
 """
 
@@ -27,9 +28,11 @@ import time
 from pathlib import Path
 
 from oracle import recipe as recipes
+from oracle.bundle.store import Bundle
 from oracle.capture.steps import capture_recipe_step
 from oracle.recipe import ModelSource
 from oracle.replay.run import replay
+from oracle.replay.streaming.plan import plan
 from oracle.score.scorer import score
 from oracle.score.tolerance import MARGIN
 
@@ -84,6 +87,10 @@ def main() -> None:
         print(f"step: {src.origin}, {a.precision} capture, {a.members} band members")
         print(f"truth (float64, in memory): {truth:.2f} s; band ({a.members} members): {band:.2f} s; "
               f"one member = {member / truth:.2f}x the truth")  # fmt: skip
+        p64, pm = (plan(Bundle(cap), d, streamed=False) for d in ("fp64", a.precision))
+        print(f"planner (what judge --dry-run prices): one member = {pm['estimated_seconds'] / p64['estimated_seconds']:.2f}x "
+              f"the truth (float32 probe x {pm['efficiency']} against float64 probe x {p64['efficiency']}; FLOPs only, "
+              "no fixed costs: meaningful at hidden >= 1024)")  # fmt: skip
         print(" K  band cost / truth   band_K / band_all: min  median   largest excess (capture / band_K)")
         for k in range(1, a.members + 1):
             ratios, excess = [], []
