@@ -48,3 +48,21 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
     assert abs(elsewhere(est, 2, 64, 4) - (190 + 1540 * 2 / 256 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
     out = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run"]).stdout
     assert "on one 64-core server: about " in out and "on 4 hosts of 64 cores" in out, out
+
+
+def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp32_capture, monkeypatch):
+    """An emulated member computes in float32: the planner prices its FLOPs on the float32 GEMM probe at
+    EMULATED_EFFICIENCY, the truth's on the float64 probe at EFFICIENCY (same FLOPs, so a probe ratio of
+    2 prices a member at 0.45 / 0.7 of the truth); the dry run's text names the probe it used."""
+    import torch
+
+    from oracle.bundle.store import Bundle
+    from oracle.replay.streaming import plan as plans
+
+    monkeypatch.setattr(plans, "gemm_rate", lambda dtype=torch.float64, **_: {torch.float64: 1e9, torch.float32: 2e9}[dtype])
+    truth, member = (plans.plan(Bundle(fp32_capture), d, streamed=True, budget=8 << 30) for d in ("fp64", "bf16"))
+    assert truth["total_flops"] == member["total_flops"] > 0
+    assert member["efficiency"] == plans.EMULATED_EFFICIENCY and truth["efficiency"] == plans.EFFICIENCY
+    ratio = member["estimated_seconds"] / truth["estimated_seconds"]
+    assert abs(ratio - plans.EFFICIENCY / (2 * plans.EMULATED_EFFICIENCY)) < 1e-12, ratio
+    assert "float32 GEMM probe 2.0 GFLOP/s" in plans.render(member) and "float64 GEMM probe 1.0" in plans.render(truth)

@@ -126,13 +126,17 @@ def test_emulated_members_run_their_layers_by_row_chunks_as_honest_as_in_memory(
     fused attention as one kernel, rounded at its operands and results), a jittered member too: bitwise
     repeatable, and as far from the float64 truth as the in-memory members (bf16 noise is chaotic: a
     rounding flipped by the kernel's summation order moves the rest, so not bitwise; the median ratio
-    of their errors per gradient within 1/2..2, the largest within 1/2..2 of each other)."""
+    of their errors per gradient within 1/2..2, the largest within 1/2..2 of each other). Unchunked
+    (every layer one chunk) the streamed round-to-nearest bf16 member is the in-memory one, bitwise."""
     _, cap = packed_text
     truth = _grads(replay(cap, tmp_path / "t", verify="off"))
     mem = replay(cap, tmp_path / "m", dtype=dtype, ensemble=2, verify="off")
     cut = replay(cap, tmp_path / "c", dtype=dtype, ensemble=2, max_memory=8 << 30, token_chunk=16)
     assert chunk_calls and min(chunk_calls) >= 8, chunk_calls
     again = replay(cap, tmp_path / "c2", dtype=dtype, ensemble=2, max_memory=8 << 30, token_chunk=16)
+    if dtype == "bf16":  # layers of one chunk run unchunked: the round-to-nearest member is the in-memory one, bitwise
+        whole, m0 = Bundle(replay(cap, tmp_path / "w", dtype=dtype, max_memory=8 << 30)).load_group("grads"), Bundle(mem).load_group("grads")
+        assert [n for n in m0 if not torch.equal(m0[n], whole[n])] == []
     for g in ("grads", "grads.1"):
         a, b, b2 = (Bundle(x).load_group(g) for x in (mem, cut, again))
         assert all(torch.equal(b[n], b2[n]) for n in b), g

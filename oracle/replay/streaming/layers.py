@@ -158,7 +158,7 @@ def _plan(module: nn.Module, args: tuple, kwargs: dict, chunk: int) -> _Plan | N
             return None
     p = _Plan()
     p.leaves, p.spec, p.x_pos, p.rows_of, p.T = leaves, spec, x_pos, rows_of, T
-    p.fused, p.mode = fused, emulating() if fused else None
+    p.fused, p.mode, p.gens = fused, emulating() if fused else None, None
     p.grid = next((int(m.oracle_attention_chunk) for m in module.modules() if hasattr(m, "oracle_attention_chunk")),
                   attention.CHUNK)  # fmt: skip
     if split is not None:  # a rank's rows: its runs of global rows, the whole sequence's boundaries
