@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,8 +43,26 @@ QWEN3_D = {**QWEN3_B, "vocab_size": 151936, "hidden_size": 1024, "intermediate_s
            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64}  # fmt: skip
 
 
+def sparse_file(f: Path, model: torch.nn.Module, dtype: str, size: int) -> dict[str, dict]:
+    """A valid safetensors header over a hole (never read): the manifest entries of its tensors."""
+    header, offset, entries = {}, 0, {}
+    for n, p in model.named_parameters():
+        nbytes = p.numel() * size
+        header[n] = {"dtype": {"bfloat16": "BF16", "float32": "F32"}[dtype], "shape": list(p.shape),
+                     "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        entries[n] = {"dtype": dtype, "shape": list(p.shape), "sha256": "0" * 64, "value_sha256": "0" * 64}
+        offset += nbytes
+    text = json.dumps(header)
+    text += " " * (-len(text) % 8)
+    with open(f, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text.encode())
+        out.truncate(8 + len(text) + offset)  # the data: a hole
+    return entries
+
+
 def write_capture(path: Path, recipe_name: str, config: dict, inputs: dict[str, torch.Tensor], seed: int = 0) -> Path:
-    """A capture bundle of ``config`` with seeded random bf16 weights (std 0.02, norms 1) and ``inputs``."""
+    """A capture bundle of ``config`` with seeded random bf16 weights (std 0.02, norms 1) and ``inputs``;
+    its float32 gradients a sparse file (zeros, no disk: the replay benchmarks never score them)."""
     r = get(recipe_name)
     model = skeleton(r, config, torch.float32)  # shapes only: parameters on meta
     gen = torch.Generator().manual_seed(seed)
@@ -61,6 +80,8 @@ def write_capture(path: Path, recipe_name: str, config: dict, inputs: dict[str, 
                           metadata={"model": "random weights (benchmark)"})  # fmt: skip
         w.add("inputs", inputs)
         w.add_stream("weights", weights(), max_bytes=1 << 30)
+        f = w._tmp / "grads.safetensors"  # a capture holds its gradients; a replay never reads them: a hole
+        w.adopt("grads", f, sparse_file(f, model, "float32", 4), move=True)
     return path
 
 

@@ -157,6 +157,11 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
         b["attention_mask"] = mask
     n_tokens = int(b["loss_mask"].sum())
     seen: dict[str, float] = {}
+    if opts.get("mb_seeds"):  # gradient accumulation over micro-batches, captured by ORACLE_CAPTURE (autocapture)
+        _accumulate(ddp, config, mask, vocab, opts["mb_seeds"], per_token, out)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
     if pp == 1:
         dbg = _msprobe(msprobe_dir)
         if dbg is not None:
@@ -201,10 +206,42 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
     torch.distributed.destroy_process_group()
 
 
+def _accumulate(ddp, config, mask, vocab: int, seeds: list[int], per_token: bool, out: str) -> None:
+    """One training call of len(seeds) micro-batches (batch(seed) each) through the schedule a loop takes,
+    ``finalize_model_grads`` as the loop's, with ORACLE_CAPTURE=OUT installed as the start-up line does:
+    the hook writes OUT/pre and OUT/post (each micro-batch's inputs as mb{i}.NAME)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    os.environ["ORACLE_CAPTURE"] = out
+    from oracle.integrations.megatron import autocapture
+
+    autocapture.install()
+    from autocapture_step import CudaToCpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = [batch(vocab, seed=s) for s in seeds]
+    for b in batches:  # the model sees no loss_mask: masked labels are -100, as ms-swift's (the hook reads them)
+        b["labels"] = b["labels"].masked_fill(b["loss_mask"] == 0, -100)
+
+    def step(data_iterator, m):
+        d = next(data_iterator)
+
+        def loss_func(output):  # ms-swift's and Megatron-LM's (sum, tokens, logs): the schedule divides when not per-token
+            return (output.float() * d["loss_mask"]).sum(), d["loss_mask"].sum().to(torch.int), {}
+
+        return m(d["tokens"], d["position_ids"], mask, labels=d["labels"]), loss_func
+
+    config.finalize_model_grads_func = finalize_model_grads
+    s = CFG["seq_len"]
+    with CudaToCpu():
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter(batches), model=[ddp],
+                                    num_microbatches=len(batches), seq_length=s, micro_batch_size=1, forward_only=False)  # fmt: skip
+
+
 def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
              fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None,
-             no_loss: bool = False) -> str:  # fmt: skip
+             no_loss: bool = False, mb_seeds: tuple[int, ...] = ()) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
     in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
@@ -212,9 +249,11 @@ def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: 
     ``tied``: share_embeddings_and_output_weights (with PP > 1 the last stage holds its own copy of the
     embedding as output_layer, and finalize sums the two stages' gradients). ``modules``: a selection
     for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles. ``no_loss``: the
-    ranks are captured with ``loss=None`` (a custom loop that records no loss)."""
+    ranks are captured with ``loss=None`` (a custom loop that records no loss). ``mb_seeds``: one training
+    call of micro-batches batch(seed) each, gradients accumulated, captured by ``ORACLE_CAPTURE=OUT`` (PP 1)."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
-            "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss}  # fmt: skip
+            "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss,
+            "mb_seeds": list(mb_seeds)}  # fmt: skip
     port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out

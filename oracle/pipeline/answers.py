@@ -202,6 +202,18 @@ CAPTURE_LAYERS = ("capture both runs again with module boundaries (ORACLE_CAPTUR
                   "the op classes")  # fmt: skip
 
 
+def _accumulated(n: int) -> tuple[str, str]:
+    """(why, settle) for a step of ``n`` > 1 micro-batches: merge maps no module boundaries of such a step
+    (microbatches.py), and an error made where main_grad accumulates the micro-batches (a fused weight-
+    gradient accumulate: wgrad_gemm_accum_fp32, npu_matmul_add_fp32) exists only there: one micro-batch tells."""
+    return (f"a step of {n} micro-batches: their module boundaries are not mapped (each micro-batch's call met the "
+            "modules), so no local replay; an error made where main_grad accumulates the micro-batches (a fused "
+            "weight-gradient accumulate such as npu_matmul_add_fp32) is a candidate no replay of the step can place",
+            "capture a call of ONE micro-batch of the same data on both clusters (ORACLE_CAPTURE_MODULES=layers "
+            "beside ORACLE_CAPTURE): an error that is gone there is born in the accumulation across micro-batches; one "
+            "that stays is placed by the local replay and explain")  # fmt: skip
+
+
 def _sub_modules(module: str) -> str:
     """A module-selection regex (searched in the model chunk's mcore names) for ``module``'s children:
     ``model.language_model.layers.3`` -> ``decoder\\.layers\\.3\\..*``; another module, its name
@@ -249,8 +261,16 @@ def _path_class(c: dict[str, Any], module: str) -> dict[str, Any] | None:
     return None
 
 
+def _plain_scale(p: dict[str, Any], margin: float) -> bool:
+    """A gradient whose direction is within noise (sin of its angle to the truth's within margin x band)
+    while its norm is not: a scale."""
+    sin = math.sqrt(max(0.0, 1.0 - min(1.0, p["cosine"]) ** 2))
+    return sin <= margin * p["band"] < abs(p["norm_ratio"] - 1.0)
+
+
 def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_rows: list[dict[str, Any]],
-             margin: float) -> dict[str, Any]:  # fmt: skip
+             margin: float, microbatches: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``microbatches``: each run's micro-batches per call (a run of several gets the accumulation's reason)."""
     rows = []
     by_name = {c["name"]: c for c in score["captures"]}
     for b in born_rows:
@@ -280,16 +300,20 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
             continue
         c = by_name[b["run"]]
         p = _param_row(c, b.get("onset_param") or "")
+        n_mb = (microbatches or {}).get(b["run"], 1)
+        if n_mb > 1 and (p is None or p.get("cosine") is None or not _plain_scale(p, margin)):
+            why, settle = _accumulated(n_mb)
+            rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature", "why": why,
+                         "settle": settle, "short": f"{n_mb} micro-batches: no local replay",
+                         "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
+            continue
         if p is None or p.get("cosine") is None:
             why, settle = "no module boundaries were captured (explain needs them)", CAPTURE_LAYERS
             rows.append({"run": b["run"], "class": None, "share": None, "source": None, "why": why, "settle": settle,
                          "short": "no module boundaries captured",
                          "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
             continue
-        sin = math.sqrt(max(0.0, 1.0 - min(1.0, p["cosine"]) ** 2))
-        off = abs(p["norm_ratio"] - 1.0)
-        limit = margin * p["band"]
-        if sin <= limit < off:
+        if _plain_scale(p, margin):
             rows.append({"run": b["run"], "class": "scaling", "share": None, "source": "gradient signature",
                          "text": f"a scale, not rounding: {p['name']} is {p['norm_ratio']:.6g}x the truth's gradient with "
                                  f"its direction within noise (cosine {p['cosine']:.9f}); no op's rounding scales a gradient: "
@@ -310,7 +334,11 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
 def not_concluded(score, local, runs, logs) -> list[str]:
     out = []
     for r in runs:
-        if not r["modules"]:
+        if not r["modules"] and r.get("microbatches", 1) > 1:
+            out.append(f"{r['name']}: a step of {r['microbatches']} micro-batches: merge maps module boundaries for one "
+                       "micro-batch only, so where the error is born is read end to end and the op class from the "
+                       "gradient's signature only; " + _accumulated(r["microbatches"])[1])  # fmt: skip
+        elif not r["modules"]:
             how = ("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"
                    if r.get("input_kind") == "megatron rank folder" else "capture both with --modules (e.g. --modules all)")
             out.append(f"{r['name']}: no module boundaries were captured, so where the error is born is read end to end "
@@ -355,7 +383,7 @@ def build(
         c.setdefault("num_tokens", run.get("num_tokens"))
     a1, a2 = noise(score), farther(score)
     a3 = born(score, local, m)
-    a4 = op_class(score, explained, a3["per_run"], m)
+    a4 = op_class(score, explained, a3["per_run"], m, {r["name"]: r.get("microbatches", 1) for r in runs})
     a1b = bound_mod.annotate(score, {c["name"]: c.get("num_tokens") for c in score["captures"]})
     fw = framework(score)
     return {

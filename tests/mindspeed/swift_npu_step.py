@@ -114,13 +114,13 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
     trainer = MegatronTrainer.__new__(MegatronTrainer)
     trainer.args, trainer.stimer, trainer.mcore_013 = args, StragglerDetector(), False
     trainer.unwrapped_models, trainer.wrapped_models, trainer.custom_metrics = [model], [ddp], {}
-    if packed:
+    if packed:  # SWIFT_STEP_MICROBATCHES=M: the packed step as M micro-batches (tests/swift/packed.py)
         import packed as packed_batch
 
-        sample = packed_batch.batch(model_dir, padding_to=tp)
+        samples = packed_batch.microbatches(model_dir, padding_to=tp)
     else:
-        sample = tiny.sample(seq_multiple=tp)
-    seq = sample["input_ids"].shape[1]
+        samples = [tiny.sample(seq_multiple=tp)]
+    seq = max(s["input_ids"].shape[1] for s in samples)
     from npu_ops import attention
 
     def step():  # a fresh copy of the batch: ms-swift's get_batch changes it in place
@@ -128,8 +128,8 @@ def main(out, model_dir, tp=1, dtype="fp32", mode="unpacked"):
         npu_ops.CALLS.clear()
         npu_ops.faults.reset_counts()
         attention.TND_SEQ_QLEN.clear()
-        return get_forward_backward_func()(forward_step_func=trainer.forward_step, data_iterator=iter([copy.deepcopy(sample)]),
-                                           model=[ddp], num_microbatches=1, seq_length=seq, micro_batch_size=1,
+        return get_forward_backward_func()(forward_step_func=trainer.forward_step, data_iterator=iter(copy.deepcopy(samples)),
+                                           model=[ddp], num_microbatches=len(samples), seq_length=seq, micro_batch_size=1,
                                            decoder_seq_length=seq, forward_only=False)  # fmt: skip
 
     from safetensors.torch import save_file

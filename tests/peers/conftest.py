@@ -24,6 +24,7 @@ import run as ms_run  # noqa: E402  (tests/mindspeed/run.py: stdlib only)
 
 PATHS = {"h20": rank_capture.VENV, "910b": ms_run.VENV}
 UNPACKED = {"tp": 2, "sp": True, "dtype": "bf16"}  # the user's TP 2 + SP, bf16 with fp32 main_grad, one unpacked sample
+ACCUMULATED = 96  # micro-batches of the accumulated step: a bf16 main_grad accumulation leaves the band (at 24: 1.6x)
 
 
 def need(path: str) -> None:
@@ -47,25 +48,27 @@ def capture(path: str, out: Path, env: dict[str, str] | None = None) -> Path:
 
 @pytest.fixture(scope="session")
 def steps(tmp_path_factory):
-    """steps(path, dtype, capture=True, faults="") -> (OUT, OUT/capture, the 910B ranks' reports or None): the
-    user's PACKED step of ``path`` ("h20" or "910b"), each once per session; ``faults`` planted in the 910B
-    stand-in (``TORCH_NPU_STANDIN_FAULTS``). The honest captured bf16 step runs its call twice in one process
+    """steps(path, dtype, capture=True, faults="", microbatches=1) -> (OUT, OUT/capture, the 910B ranks' reports
+    or None): the user's PACKED step of ``path`` ("h20" or "910b"), each once per session; ``faults`` planted in
+    the 910B stand-in (``TORCH_NPU_STANDIN_FAULTS``); ``microbatches`` > 1: the step as that many micro-batches
+    of gradient accumulation (``SWIFT_STEP_MICROBATCHES``, tests/swift/packed.py). The honest captured bf16 step runs its call twice in one process
     (``plain_first``): first uncaptured, then captured (``ORACLE_CAPTURE_STEP=1``), the first's main_grads in
     ``OUT/raw/..grads_post_plain..``: the non-invasiveness proof, with no extra run."""
     root, cache = tmp_path_factory.mktemp("packed"), {}
 
-    def get(path, dtype, capture=True, faults=""):
+    def get(path, dtype, capture=True, faults="", microbatches=1):
         need(path)
-        key = (path, dtype, capture, faults)
+        key = (path, dtype, capture, faults, microbatches)
         if key not in cache:
             tag = faults.replace(",", "+").replace("@", "_")
-            out = str(root / f"{path}-{dtype}-{'captured' if capture else 'plain'}{'-' + tag if tag else ''}")
-            plain_first = capture and dtype == "bf16" and not faults
+            out = str(root / f"{path}-{dtype}-{'captured' if capture else 'plain'}{'-' + tag if tag else ''}-mb{microbatches}")
+            plain_first = capture and dtype == "bf16" and not faults and microbatches == 1
+            mb = {"SWIFT_STEP_MICROBATCHES": str(microbatches)} if microbatches > 1 else {}  # tests/swift/packed.py
             if path == "h20":
                 assert not faults, "faults are planted in the 910B stand-in only"
-                cache[key] = (out, rank_capture.packed_capture(out, dtype, capture=capture, plain_first=plain_first), None)
+                cache[key] = (out, rank_capture.packed_capture(out, dtype, env=mb, capture=capture, plain_first=plain_first), None)
             else:
-                env = {"TORCH_NPU_STANDIN_FAULTS": faults} if faults else None
+                env = {**({"TORCH_NPU_STANDIN_FAULTS": faults} if faults else {}), **mb} or None
                 cap, reports = ms_run.packed_capture(out, dtype, env=env, capture=capture, plain_first=plain_first)
                 cache[key] = (out, cap, reports)
         return cache[key]
@@ -119,6 +122,16 @@ def packed_judged(steps, tmp_path_factory):
     root = tmp_path_factory.mktemp("two-paths-packed")
     return Judged(root, Path(steps("h20", "bf16")[1]) / "pre",
                   lambda faults, folder: Path(steps("910b", "bf16", faults=faults)[1]) / "pre")
+
+
+@pytest.fixture(scope="session")
+def accumulated_judged(steps, tmp_path_factory):
+    """The PACKED bf16 step as ``ACCUMULATED`` micro-batches (the three samples in turn, one each) judged: the
+    honest H20 capture vs the 910B one with faults planted, in a work folder of its own."""
+    need("h20"), need("910b")
+    root = tmp_path_factory.mktemp("two-paths-accumulated")
+    return Judged(root, Path(steps("h20", "bf16", microbatches=ACCUMULATED)[1]) / "pre",
+                  lambda faults, folder: Path(steps("910b", "bf16", faults=faults, microbatches=ACCUMULATED)[1]) / "pre")
 
 
 @pytest.fixture(scope="session")

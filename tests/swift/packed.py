@@ -37,11 +37,26 @@ def _rows():
     ]  # fmt: skip
 
 
-def batch(model_dir: str, padding_to: int = 2) -> dict:
+# the user's step split into micro-batches (SWIFT_STEP_MICROBATCHES=M; gradient accumulation): each a packed row
+SPLITS = {1: ((0, 1, 2),), 2: ((0, 1), (2,)), 3: ((0,), (1,), (2,))}
+
+
+def microbatches(model_dir: str, padding_to: int = 2) -> list[dict]:
+    """The step's micro-batches: ``SWIFT_STEP_MICROBATCHES`` (default 1, the whole packed batch; 2: samples
+    0 and 1, then 2; 3: one sample each, the second text only; more: the three in turn, one per micro-batch),
+    each collated as ``batch`` does."""
+    import os
+
+    m = int(os.environ.get("SWIFT_STEP_MICROBATCHES", "1"))
+    splits = SPLITS.get(m) or [(i % len(LENGTHS),) for i in range(m)]  # M > 3: the samples in turn, one each
+    return [batch(model_dir, padding_to, rows) for rows in splits]
+
+
+def batch(model_dir: str, padding_to: int = 2, rows: tuple[int, ...] = (0, 1, 2)) -> dict:
     """ms-swift's collated packed batch for ``get_batch`` (labels not yet rolled): ``input_ids``,
     ``labels`` (1, T), ``position_ids`` (3, 1, T) mRoPE, ``text_position_ids`` (1, T), the HF
     ``cu_seq_lens_*`` / ``max_length_*`` the template adds (ms-swift's Megatron model ignores them),
-    ``pixel_values``, ``image_grid_thw`` (2, 3), ``num_samples`` 3."""
+    ``pixel_values``, ``image_grid_thw`` (2, 3), ``num_samples`` 3; ``rows``: those samples only."""
     with contextlib.redirect_stdout(io.StringIO()):
         import tiny
         from swift.llm import get_model_tokenizer, get_template
@@ -52,8 +67,9 @@ def batch(model_dir: str, padding_to: int = 2) -> dict:
         template.use_megatron = True  # as MegatronArguments' template is built
         template.image_token_id = tiny.SPECIAL_IDS["<|image_pad|>"]  # the tiny vocabulary's (Qwen's is 151655)
         template.video_token_id = tiny.SPECIAL_IDS["<|video_pad|>"]
-        encoded = [template.encode(r, return_length=True) for r in _rows()]
-        assert tuple(e["length"] for e in encoded) == LENGTHS, [e["length"] for e in encoded]
+        encoded = [template.encode(r, return_length=True) for i, r in enumerate(_rows()) if i in rows]
+        assert tuple(e["length"] for e in encoded) == tuple(LENGTHS[i] for i in rows), [e["length"] for e in encoded]
         res = template.data_collator(encoded, padding_to=padding_to)
-    assert res["num_samples"] == len(LENGTHS) and res["image_grid_thw"].shape[0] == 2
+    images = sum(1 for i in rows if i != 1)  # the first and the third sample hold an image
+    assert res["num_samples"] == len(rows) and (res["image_grid_thw"].shape[0] if images else 0) == images
     return res

@@ -276,17 +276,17 @@ def worker(out_dir: str, model_dir: str, tp: int, sp: bool, dtype: str, pp: int 
         return out
 
     config.finalize_model_grads_func = recording_finalize
-    if packed:
-        sample = __import__("packed").batch(model_dir, padding_to=tp)
+    if packed:  # SWIFT_STEP_MICROBATCHES=M: the packed step as M micro-batches (tests/swift/packed.py)
+        samples = __import__("packed").microbatches(model_dir, padding_to=tp)
     else:
-        sample = __import__("tiny").sample(seq_multiple=tp)
-    seq = sample["input_ids"].shape[1]
+        samples = [__import__("tiny").sample(seq_multiple=tp)]
+    seq = max(s["input_ids"].shape[1] for s in samples)
 
-    def step():  # a fresh copy of the batch: ms-swift's get_batch changes it in place
+    def step():  # a fresh copy of the batches: ms-swift's get_batch changes them in place
         ddp.zero_grad_buffer()
         return get_forward_backward_func()(
-            forward_step_func=trainer.forward_step, data_iterator=iter([copy.deepcopy(sample)]), model=[ddp], num_microbatches=1,
-            seq_length=seq, micro_batch_size=1, decoder_seq_length=seq, forward_only=False)  # fmt: skip
+            forward_step_func=trainer.forward_step, data_iterator=iter(copy.deepcopy(samples)), model=[ddp],
+            num_microbatches=len(samples), seq_length=seq, micro_batch_size=1, decoder_seq_length=seq, forward_only=False)  # fmt: skip
 
     from safetensors.torch import save_file
 

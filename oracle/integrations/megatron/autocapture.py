@@ -11,9 +11,11 @@ MindSpeed-LLM or a custom loop) and wraps its three schedules, which
   ``forward_only=False``; evaluation calls are not counted) runs as usual, except that
   - a forward pre-hook on the model chunk records the batch exactly as the model receives it
     (keyword and positional arguments, named by the innermost module's ``forward`` signature;
-    ``packed_seq_params``' ``cu_seqlens_q`` kept as ``cu_seqlens``),
-  - each microbatch's ``loss_func`` output is recorded (the loss the backward differentiates, the
-    token count: ms-swift's and Megatron-LM's ``(loss, num_tokens, logs)``, or ``(loss, logs)``),
+    ``packed_seq_params``' ``cu_seqlens_q`` kept as ``cu_seqlens``); a call of several micro-batches
+    records each (``mb{i}.NAME``, merged into one batch by merge: microbatches.py),
+  - each microbatch's ``loss_func`` output is recorded (the token count: ms-swift's and Megatron-LM's
+    ``(loss sum, num_tokens, logs)``, or ``(loss, logs)``; ``differentiated`` turns them into the
+    loss the backward differentiated, as the schedule scales them),
   - ``config.finalize_model_grads_func`` is wrapped for that call only: ``DIR/pre/rankNNNNN`` is
     written right before it (the backward is done), ``DIR/post/rankNNNNN`` right after;
 - with ``ORACLE_CAPTURE_MODULES=SELECTION`` (a preset such as ``layers``, the decoder layers, or a
@@ -194,7 +196,7 @@ def _record_batch(store: dict):
             if isinstance(v, torch.Tensor):
                 rec[k] = v.detach().to("cpu", copy=True)
             elif k == "packed_seq_params" and v is not None:
-                store["packed_seq_params"] = v
+                rec[k] = v  # this micro-batch's boundaries (capture_rank reads cu_seqlens_q from it)
         store.setdefault("batches", []).append(rec)
         return None
 
@@ -206,9 +208,9 @@ def _record_loss(forward_step_func, store: dict, guard):
         output_tensor, loss_func = forward_step_func(*a, **k)
 
         def record(out):
-            if isinstance(out, tuple) and len(out) == 3:
+            if isinstance(out, tuple) and len(out) == 3:  # (token-loss sum, tokens, logs)
                 store.setdefault("losses", []).append((float(out[0].detach().float()), int(out[1])))
-            elif isinstance(out, tuple) and len(out) >= 1:
+            elif isinstance(out, tuple) and len(out) >= 1:  # (mean loss, logs)
                 store.setdefault("losses", []).append((float(out[0].detach().float()), None))
 
         def recording_loss_func(*la, **lk):
@@ -219,6 +221,19 @@ def _record_loss(forward_step_func, store: dict, guard):
         return output_tensor, recording_loss_func
 
     return forward_step
+
+
+def differentiated(losses: list[tuple[float, int | None]], per_token: bool) -> float | None:
+    """The loss the step's backward differentiated, from each micro-batch's ``loss_func`` output
+    (megatron-core 0.12.1 ``schedules.forward_step``): with ``calculate_per_token_loss`` the sum of
+    the token-loss sums; without it each micro-batch's output divided by its tokens (a 3-tuple's sum)
+    and by the M micro-batches, summed. One micro-batch of a 3-tuple: its mean."""
+    if not losses:
+        return None
+    if per_token:
+        return sum(x for x, _ in losses)
+    m = len(losses)
+    return sum((x / n if n else x) / m for x, n in losses)
 
 
 def problem(e: BaseException, where: str) -> str:
@@ -346,19 +361,19 @@ class _Capture:
         from .hook import capture_rank
 
         losses = self.store.get("losses", [])
-        loss = sum(x for x, _ in losses) if losses else None
         counts = [c for _, c in losses if c is not None]
         batches = self.store.get("batches", [])
-        batch = batches[0] if len(batches) == 1 else {f"mb{i}.{k}": v for i, b in enumerate(batches) for k, v in b.items()}
+        loss = differentiated(losses, bool(getattr(self.config, "calculate_per_token_loss", False)))
         rec = self.recorder
         if rec is not None and rec.failed:
             _say(f"ORACLE_CAPTURE_MODULES: recording stopped ({rec.failed}); capturing without module boundaries")
             rec.close()
             self.recorder = rec = None
-        path = capture_rank(self.chunk, os.path.join(self.out_dir, sub), stage=stage, batch=batch, loss=loss,
+        path = capture_rank(self.chunk, os.path.join(self.out_dir, sub), stage=stage,
+                            batch=batches[0] if len(batches) == 1 else batches, loss=loss,
                             num_tokens=sum(counts) if counts else None,
-                            packed_seq_params=self.store.get("packed_seq_params"), modules=rec,
-                            overwrite=True)  # fmt: skip
+                            microbatch_tokens=[c for _, c in losses] if len(losses) == len(batches) else None,
+                            modules=rec, overwrite=True)  # fmt: skip
         _state["written"].append(str(path))
 
     def stop(self) -> None:

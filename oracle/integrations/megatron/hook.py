@@ -40,7 +40,7 @@ from __future__ import annotations
 import difflib
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from ...bundle.store import BundleWriter
 from ...capture.api import describe_device, gradient_of, versions
 from ...capture.modules import ModuleRecorder, select
 from ...precision import name_of_param_dtype
+from . import microbatches
 from .layout import padded_vocab
 from .runinfo import hf_config_of, label_convention, numerics_of, param_origins, rope_of, seq_lengths
 
@@ -228,14 +229,41 @@ def _vocab(rows: int | None, hf: dict | None, tokenizer: int | None, divisible_b
     return {**out, "true": rows, "padding": "none", "how": "no padding recorded: every row is a real token"}
 
 
+def _labels(mbs: list[Mapping[str, Any]], given: str | None) -> dict[str, Any]:
+    """The label convention of the step: one micro-batch's, or the micro-batches' when they agree
+    (else ``ambiguous``, which merge refuses with the fix)."""
+    found = [label_convention(b, given) for b in mbs]
+    if len(found) == 1:
+        return found[0]
+    values = {f["labels_shift"] for f in found}
+    if len(values) == 1:
+        return {**found[0], "how": f"{len(found)} micro-batches agree; micro-batch 0: {found[0]['how']}"}
+    return {"labels_shift": "ambiguous",
+            "how": "micro-batches disagree: " + "; ".join(f"mb{i} {f['labels_shift']}" for i, f in enumerate(found))}
+
+
+def _seq_lengths(mbs: list[Mapping[str, Any]], packs: list[dict[str, torch.Tensor]]) -> dict[str, Any] | None:
+    """``seq_lengths`` of the step: each micro-batch's, its lists concatenated in micro-batch order."""
+    per = [seq_lengths(pk.get("cu_seqlens"), b.get("labels"), b.get("tokens", b.get("input_ids"))) for b, pk in zip(mbs, packs)]
+    if len(per) == 1 or any(x is None for x in per):
+        return per[0]
+    lengths = [n for x in per for n in x["lengths"]]
+    out: dict[str, Any] = {"packed": per[0]["packed"], "lengths": lengths,
+                           "one_token_samples": sum(x["one_token_samples"] for x in per), "microbatches": len(per)}  # fmt: skip
+    if out["packed"]:  # the merged row's boundaries (microbatches.combine shifts each micro-batch's the same way)
+        out["cu_seqlens"] = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    return out
+
+
 def capture_rank(
     model: nn.Module,
     out: str | Path,
     *,
     stage: str,
-    batch: Mapping[str, Any],
+    batch: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     loss: float | torch.Tensor | None = None,
     num_tokens: int | None = None,
+    microbatch_tokens: Sequence[int | None] | None = None,
     calculate_per_token_loss: bool | None = None,
     vocab_size: int | None = None,
     make_vocab_size_divisible_by: int | None = None,
@@ -255,7 +283,10 @@ def capture_rank(
     ``pre-rolled`` / ``unshifted`` when the caller knows it (else detected from the batch, see
     runinfo.py); ``args``: the training arguments (default Megatron-LM's ``get_args()``);
     ``modules``: a recorder from ``record_modules``, started before the forward (its boundaries are
-    written into the bundle; see the module docstring)."""
+    written into the bundle; see the module docstring). ``batch``: a list of batches for a step of
+    several micro-batches (gradient accumulation: the gradients are their sum; ``loss`` and
+    ``num_tokens`` the step's, ``microbatch_tokens`` each one's loss tokens), stored as
+    ``mb{i}.NAME`` and merged into one batch by merge (microbatches.py)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}")
     c = dict(coords) if coords is not None else parallel_coords()
@@ -273,7 +304,10 @@ def capture_rank(
     for n, o in param_origins(model).items():
         if n in layout:
             layout[n].update(o)
-    config = _config_of(model, batch)
+    mbs = [batch] if isinstance(batch, Mapping) else list(batch)
+    if not mbs:
+        raise ValueError("batch: an empty list of micro-batches")
+    config = _config_of(model, mbs[0])
     if calculate_per_token_loss is None:
         calculate_per_token_loss = bool(config.get("calculate_per_token_loss", True))
     hf = hf_config_of(model)
@@ -286,7 +320,7 @@ def capture_rank(
         config["true_vocab_size"] = vocab["true"]
     if make_vocab_size_divisible_by is not None:
         config["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
-    packed = _packed(batch, packed_seq_params)
+    packs = [_packed(b, packed_seq_params if len(mbs) == 1 else None) for b in mbs]
     dtype = next(iter(params.values())).dtype
     if isinstance(loss, torch.Tensor):
         loss = float(loss.detach().float().item())
@@ -313,12 +347,16 @@ def capture_rank(
                 "layout": layout,
                 "hf_config": hf,
                 "vocab": vocab,
-                "labels": label_convention(batch, labels_shift),
+                "labels": _labels(mbs, labels_shift),
                 "numerics": numerics,
-                "seq_lengths": seq_lengths(packed.get("cu_seqlens"), batch.get("labels"), batch.get("tokens", batch.get("input_ids"))),
+                "seq_lengths": _seq_lengths(mbs, packs),
             },  # fmt: skip
         )
-        w.add("inputs", {**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **packed})
+        if len(mbs) > 1:
+            counts = list(microbatch_tokens) if microbatch_tokens is not None else [None] * len(mbs)
+            w.manifest["megatron"]["microbatches"] = [{"num_tokens": n} for n in counts]
+        tensors = [{**{k: v for k, v in b.items() if isinstance(v, torch.Tensor)}, **pk} for b, pk in zip(mbs, packs)]
+        w.add("inputs", tensors[0] if len(mbs) == 1 else microbatches.names(tensors))
         w.add("weights", {n: p.detach() for n, p in params.items()})
         w.add("grads", {n: gradient_of(p) for n, p in params.items() if gradient_of(p) is not None})
         if modules is not None:

@@ -51,6 +51,7 @@ import torch
 from ... import recipe as recipes
 from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, MismatchError, UsageError
+from . import microbatches
 from .boundaries import merge_boundaries
 from .hfconfig import hf_config as run_hf_config
 from .hfconfig import with_padded_vocab
@@ -235,14 +236,17 @@ def _global_name(mname: str, offset: int) -> str:
 
 
 def _inputs(chosen: dict, info: dict) -> dict[str, torch.Tensor]:
-    """The step's batch: union over stages (a stage may hold only what it uses), DP ranks concatenated."""
+    """The step's batch: a rank's micro-batches merged into one (microbatches.py), union over stages
+    (a stage may hold only what it uses), DP ranks concatenated."""
     per_dp = []
     for d in info["dps"]:
         batch: dict[str, torch.Tensor] = {}
         for p in range(info["pp"]):
             b = chosen[d, p, 0]
-            for n in b.names("inputs"):
-                t = b.load("inputs", n)
+            microbatches.check_loss(b.manifest["megatron"], str(b.path))
+            own = microbatches.combine(microbatches.split({n: b.load("inputs", n) for n in b.names("inputs")}),
+                                       f"{b.path}: inputs")  # fmt: skip
+            for n, t in own.items():
                 if n in batch and not torch.equal(batch[n], t):
                     raise MismatchError(f"inputs/{n}: pipeline stages 0 and {p} of DP rank {d} saw different values")
                 batch[n] = t
@@ -439,7 +443,14 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     loss = _loss(chosen, info)
     tokens = inputs.get("tokens", inputs.get("input_ids"))
     seq = int(tokens.shape[-1]) if tokens is not None else int(run.get("seq_length") or 0)
-    modules, module_groups, boundaries = merge_boundaries(chosen, info, rec, inputs, bool(run.get("sequence_parallel")), seq)
+    n_mb = len(meta.get("microbatches") or []) or 1
+    if n_mb > 1:  # each micro-batch's call met the recorded modules; their boundaries are of one of them
+        modules, module_groups = {}, {}
+        recorded = sorted(chosen[d0, 0, 0].manifest.get("modules") or {})
+        boundaries = {"mapped": {}, "unmapped": [{"module": n, "why": f"a step of {n_mb} micro-batches: module boundaries "
+                      "are mapped for one micro-batch only (capture with one for local replay)"} for n in recorded]} if recorded else {}  # fmt: skip
+    else:
+        modules, module_groups, boundaries = merge_boundaries(chosen, info, rec, inputs, bool(run.get("sequence_parallel")), seq)
     if boundaries.get("unmapped"):
         u = boundaries["unmapped"]
         warnings.append(f"{len(u)} recorded module(s) not mapped for local replay, e.g. {u[0]['module']}: {u[0]['why']}")
@@ -459,6 +470,7 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                                 "padding": rank_vocab.get("padding"), "how": rank_vocab.get("how")},
                       "config": {**heads.as_config(), **run}, "mapping": mapping, "packing": packing,
                       "labels": labels, "numerics": meta.get("numerics"), "seq_lengths": meta.get("seq_lengths"),
+                      "microbatches": meta.get("microbatches"),
                       "unreduced": unreduced, "boundaries": boundaries, "merged_from": [str(b.path) for b in chosen.values()], "warnings": warnings,
                       "run_id": meta.get("run_id")},
         )  # fmt: skip
