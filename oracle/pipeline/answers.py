@@ -170,8 +170,18 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
         layer = next(r for r in c["layers"] if r["name"] == on["layer"])
         module = module_of(layer["worst_param"])
         at_loss_end = on["layer"] == c["layers"][0]["name"]
+        below = c["layers"][1] if len(c["layers"]) > 1 else None  # the next layer along the backward
+        confined = None
         if lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
+        elif lc and at_loss_end and below is not None and below["class"] == "within_noise":
+            # a wrong forward at the loss end (the logits) or a wrong input gradient there moves every gradient
+            # below it; an error that stays in the layer's own weight gradient is made where that is computed
+            direction, confined = "backward", on["layer"]
+            why = (f"the loss agrees with the truth ({lc['rel']:.2e} <= band {lc['band']:.1e}) and the next layer along "
+                   f"the backward, {below['name']}, is within noise: the error stays in {on['layer']}'s own weight "
+                   "gradient (a wrong forward or input gradient there would move the gradients below it), so it is made "
+                   "where that weight gradient is computed or accumulated")  # fmt: skip
         elif lc and not at_loss_end:
             direction = "backward"
             why = (f"the loss agrees with the truth ({lc['rel']:.2e} <= band {lc['band']:.1e}) and the layers "
@@ -187,7 +197,7 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
             evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
                          "(a hand-off), which only the end-to-end onset places")  # fmt: skip
         rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,
-                     "onset_param": layer["worst_param"], "framework": fw})  # fmt: skip
+                     "onset_param": layer["worst_param"], "framework": fw, "confined": confined})  # fmt: skip
     parts = []
     for r in rows:
         if r["module"]:
@@ -303,6 +313,9 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
         n_mb = (microbatches or {}).get(b["run"], 1)
         if n_mb > 1 and (p is None or p.get("cosine") is None or not _plain_scale(p, margin)):
             why, settle = _accumulated(n_mb)
+            if b.get("confined"):
+                why += (f"; the error stays in {b['confined']}'s weight gradient (born, 3.): its weight-gradient GEMM or "
+                        "main_grad's accumulation")  # fmt: skip
             rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature", "why": why,
                          "settle": settle, "short": f"{n_mb} micro-batches: no local replay",
                          "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip

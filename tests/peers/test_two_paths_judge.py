@@ -265,7 +265,8 @@ def test_honest_runs_over_96_micro_batches_are_both_honest(accumulated_judged):
 def test_a_bf16_main_grad_accumulation_over_96_micro_batches_is_found_in_the_weight_gradients(accumulated_judged, steps):
     """npu_matmul_add_fp32 accumulating main_grad in bf16 over 96 micro-batches (invisible at one: the test
     above): the judge names 910B, H20 honest; only linear weights' gradients leave the band (what the fused
-    accumulate writes; no norm, no bias, the loss within its band); the op class is undetermined with the reason
+    accumulate writes; no norm, no bias, the loss within its band); born in lm_head, backward (the error stays
+    in its weight gradient: the norm below is within noise); the op class is undetermined with the reason
     (a step of 96 micro-batches: no local replay; the accumulation is a candidate) and what settles it (one
     micro-batch of the same data)."""
     doc, out = accumulated_judged("matmul_add_bf16")
@@ -275,8 +276,12 @@ def test_a_bf16_main_grad_accumulation_over_96_micro_batches_is_found_in_the_wei
     beyond = [p["name"] for p in c["params"] if p["class"] != "within_noise"]
     assert beyond and all(n.endswith("proj.weight") or n == "lm_head.weight" for n in beyond), beyond
     assert not c["loss_check"]["beyond"], c["loss_check"]
+    b = _row(doc, "born")  # confined to lm_head's weight gradient: the norm below it within noise, so backward
+    assert b["module"] == "lm_head" and b["direction"] == "backward" and b["confined"] == "lm_head", b
+    assert "the error stays in lm_head's own weight gradient" in b["evidence"], b["evidence"]
     o = _row(doc, "op_class")
     assert o["class"] is None and "a step of 96 micro-batches" in o["why"] and "npu_matmul_add_fp32" in o["why"], o
+    assert "its weight-gradient GEMM or main_grad's accumulation" in o["why"], o
     assert o["settle"].startswith("capture a call of ONE micro-batch of the same data on both clusters"), o
     assert "op class: undetermined (96 micro-batches: no local replay; see 4.)" in doc["headline"], doc["headline"]
     _, _, reports = steps("910b", "bf16", faults="matmul_add_bf16", microbatches=96)

@@ -77,3 +77,34 @@ def test_framework_findings_are_split_into_one_runs_and_both_runs():
                           "(model.language_model.norm.weight); in A and B alike: 1 gradient(s) never reduced "
                           "across TP ranks")  # fmt: skip
     assert answers.framework({"captures": [dict(a, framework=None), dict(b, framework=None)]})["text"] == ""
+
+
+def _scored(layers: dict[str, str], loss_beyond: bool = False) -> dict:
+    """A capture whose per-layer classes are ``layers`` (loss end first), the onset the first one beyond."""
+    rows = [{"name": n, "class": c, "excess": 4.0 if c == "beyond_noise" else 0.5, "worst_param": f"{n}.weight"}
+            for n, c in layers.items()]  # fmt: skip
+    on = next(r for r in rows if r["class"] == "beyond_noise")
+    return {"name": "B", "layers": rows, "params": [{"name": r["worst_param"], "excess": r["excess"], "class": r["class"],
+                                                     "band": 1e-3, "cosine": 0.9999, "norm_ratio": 1.0} for r in rows],
+            "verdict": {"class": "beyond_noise", "text": "", "onset": {"layer": on["name"], "excess": 4.0, "stays_out": 0,
+                                                                        "after": len(rows) - 1}},
+            "loss_check": {"beyond": loss_beyond, "rel": 2e-5, "band": 0.1, "text": "the loss differs"}}  # fmt: skip
+
+
+def test_an_error_that_stays_in_the_loss_ends_weight_gradient_is_born_in_the_backward():
+    """Onset at lm_head, the loss within its band and the norm below it within noise: the error did not reach
+    the gradients below, so it is made where lm_head's weight gradient is computed (backward, confined); with
+    the norm beyond too (propagated) or the loss beyond, not. A step of several micro-batches names the
+    accumulation beside the GEMM in its op-class reason."""
+    W, B = "within_noise", "beyond_noise"
+    row = answers.born({"captures": [_scored({"lm_head": B, "norm": W, "layers.3": B})]}, {}, 3.0)["per_run"][0]
+    assert row["module"] == "lm_head" and row["direction"] == "backward" and row["confined"] == "lm_head", row
+    assert "the next layer along the backward, norm, is within noise" in row["evidence"]
+    for layers, loss in (({"lm_head": B, "norm": B}, False), ({"lm_head": B, "norm": W}, True)):
+        r = answers.born({"captures": [_scored(layers, loss)]}, {}, 3.0)["per_run"][0]
+        assert r["confined"] is None and r["direction"] == ("forward" if loss else None), r
+    cap = _scored({"lm_head": B, "norm": W})
+    o = answers.op_class({"captures": [cap]}, {}, [row], 3.0, {"B": 8})["per_run"][0]
+    assert o["class"] is None and o["why"].startswith("a step of 8 micro-batches: their module boundaries are not mapped")
+    assert o["why"].endswith("the error stays in lm_head's weight gradient (born, 3.): its weight-gradient GEMM or "
+                             "main_grad's accumulation") and o["settle"].startswith("capture a call of ONE micro-batch")  # fmt: skip
