@@ -120,7 +120,7 @@ def judge(
     ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = BAND_MEMBERS,
     members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
     margin: Margin = 3.0,
-    dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose micro-batch is the step.")] = None,
+    dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose batch (all its micro-batches) is the step.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
@@ -300,7 +300,7 @@ def merge(
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
     hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (ORACLE_CAPTURE records the run's own: needed only where none was recorded, msprobe imports and older hooks).")] = None,
-    dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose micro-batch is the step (default: 0 before finalize, all DP ranks after).")] = None,
+    dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose batch (all its micro-batches) is the step (default: 0 before finalize, all DP ranks after).")] = None,
     labels_shift: Annotated[str | None, typer.Option(help="pre-rolled (label t is token t+1, Megatron / ms-swift) or unshifted; default: as the hook recorded it.")] = None,
     overwrite: Overwrite = False,
 ) -> None:  # fmt: skip

@@ -67,12 +67,16 @@ def test_one_micro_batch_alone_is_another_step_and_the_score_says_so(runs, tmp_p
 
 def test_mean_loss_over_micro_batches_of_unequal_tokens_is_refused_with_the_fix(runs, tmp_path):
     """Without per-token loss Megatron averages each micro-batch's mean: over 11 and 10 loss tokens that is no
-    mean over the step; merge refuses (exit 4) naming the counts and the fix."""
+    mean over the step; merge refuses (exit 4) naming the counts and the fix. The capture root (not its pre/)
+    merged: the folders to merge named."""
     r = CliRunner().invoke(app, ["merge", str(runs / "mean-unequal" / "pre"), "--out", str(tmp_path / "m"),
                                  "--recipe", "qwen3"])  # fmt: skip
     assert r.exit_code == 4, r.output
-    assert "micro-batches of [11, 10] loss tokens" in r.output and "calculate_per_token_loss" in r.output
+    assert "micro-batches of [11, 10] loss tokens" in r.output and "--calculate-per-token-loss" in r.output
+    assert "capture the step again" in r.output and "equal loss-token counts" in r.output
     assert not (tmp_path / "m").exists()
+    r = CliRunner().invoke(app, ["merge", str(runs / "per-token"), "--out", str(tmp_path / "m"), "--recipe", "qwen3"])
+    assert r.exit_code == 4 and f"merge {runs / 'per-token' / 'pre'} (before finalize_model_grads)" in r.output, r.output
 
 
 def test_micro_batches_that_do_not_fit_together_are_named():

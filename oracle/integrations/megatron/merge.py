@@ -4,11 +4,12 @@ Which ranks make the step:
   TP   every TP rank of a stage; sharded tensors merge per layout.py, the padded vocabulary whole.
   PP   every stage; a stage's ``decoder.layers.i`` is global layer i + its layer offset (the hook
        records it from mcore's ``layer_number``); the loss is the last stage's.
-  DP   before ``finalize_model_grads`` each DP rank holds the gradient of its own micro-batch only:
-       the step is ONE DP rank's micro-batch (``dp_rank``, default 0), which is what a gradient
-       printed on that rank before finalize is. After finalize every DP rank holds the reduction
-       over all micro-batches: the step is all DP ranks' batches concatenated along the batch
-       dimension, and DP rank 0's copy of the gradients is taken.
+  DP   before ``finalize_model_grads`` each DP rank holds the gradient of its own batch only:
+       the step is ONE DP rank's batch (``dp_rank``, default 0), which is what a gradient printed
+       on that rank before finalize is. After finalize every DP rank holds the reduction over all
+       DP ranks: the step is all DP ranks' batches concatenated along the batch dimension, and DP
+       rank 0's copy of the gradients is taken.
+  micro-batches (gradient accumulation) of one rank: merged into one batch first (microbatches.py).
   CP   not merged (a rank holds a slice of the sequence).
 
 Gradients before finalize ("pre-finalize") of replicated norm weights are per-rank partial sums
@@ -75,7 +76,10 @@ def rank_bundles(paths: list[str | Path]) -> list[Bundle]:
         elif p.is_dir():
             found = sorted(q for q in p.iterdir() if q.name.startswith("rank") and (q / "manifest.json").exists())
             if not found:
-                raise BundleError(f"{p} holds no rank bundle (rank*/manifest.json)")
+                subs = [s for s in ("pre", "post") if (p / s).is_dir()]
+                hint = (f"; ORACLE_CAPTURE writes its rank bundles under {' and '.join(str(p / s) for s in subs)}: "
+                        f"merge {p / subs[0]} (before finalize_model_grads) or {p / 'post'} (after)") if subs else ""  # fmt: skip
+                raise BundleError(f"{p} holds no rank bundle (rank*/manifest.json){hint}")
             out += [Bundle(q) for q in found]
         else:
             out.append(Bundle(p))  # raises InputNotFound with the path

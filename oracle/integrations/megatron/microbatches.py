@@ -160,11 +160,13 @@ def check_loss(meta: Mapping[str, Any], where: str) -> None:
     counts = [m.get("num_tokens") for m in meta.get("microbatches") or []]
     if len(counts) < 2 or meta.get("calculate_per_token_loss"):
         return
+    fix = ("this capture cannot be replayed as one batch: capture the step again with per-token loss "
+           "(Megatron-LM --calculate-per-token-loss, ms-swift's default), with one micro-batch per call (global batch "
+           "= micro batch x DP), or with micro-batches of equal loss-token counts")  # fmt: skip
     if None in counts:
         raise BundleError(f"{where}: {len(counts)} micro-batches without calculate_per_token_loss and no loss-token "
-                          "counts recorded, so whether their mean-of-means is the step's mean cannot be checked; "
-                          "capture with calculate_per_token_loss (ms-swift's default) or one micro-batch")  # fmt: skip
+                          f"counts recorded, so whether their mean of means is the step's mean cannot be checked; {fix}")  # fmt: skip
     if len(set(counts)) > 1:
-        raise BundleError(f"{where}: without calculate_per_token_loss Megatron averages each micro-batch's mean over "
-                          f"micro-batches of {counts} loss tokens: that is no mean over the step's tokens; capture "
-                          "with calculate_per_token_loss (ms-swift's default) or one micro-batch")  # fmt: skip
+        raise BundleError(f"{where}: without calculate_per_token_loss Megatron differentiates the mean of each "
+                          f"micro-batch's own mean, over micro-batches of {counts} loss tokens: unequal counts make that "
+                          f"another loss than the mean over the step's tokens; {fix}")  # fmt: skip
