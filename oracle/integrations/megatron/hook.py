@@ -38,6 +38,7 @@ reading a pytree spec written by another torch.
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -251,7 +252,7 @@ def _seq_lengths(mbs: list[Mapping[str, Any]], packs: list[dict[str, torch.Tenso
     out: dict[str, Any] = {"packed": per[0]["packed"], "lengths": lengths,
                            "one_token_samples": sum(x["one_token_samples"] for x in per), "microbatches": len(per)}  # fmt: skip
     if out["packed"]:  # the merged row's boundaries (microbatches.combine shifts each micro-batch's the same way)
-        out["cu_seqlens"] = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        out["cu_seqlens"] = [0, *itertools.accumulate(lengths)]
     return out
 
 
