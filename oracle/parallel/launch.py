@@ -11,7 +11,10 @@ The launcher is the watchdog of its children: the first rank that exits with an 
 others (SIGTERM, SIGKILL after GRACE_S) and the launcher exits with that rank's code if the rank
 reported the error itself (2..10: a user mistake every rank sees; 11: the rank it lost, named by its
 watchdog), else with ``RankError.exit_code`` (11) and a line naming the rank and how it ended
-(killed by a signal, or an exit code).
+(killed by a signal, or an exit code). A user mistake is seen by every rank alike (the same step,
+options and budget), so the others get SETTLE_S to reach it and refuse on their own, removing the
+work folder they made, before they are stopped: a rank stopped between making its folder and
+refusing left an empty ``.NAME.rankR.partial`` behind.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from ..errors import RankError, UsageError
 
 GRACE_S = 2.0
+SETTLE_S = 20.0  # most a rank may take from its start to its refusal on a loaded machine
 USER_CODES = range(2, 11)
 
 
@@ -85,13 +89,20 @@ def _relay(stream, echo: Callable[[str], None]) -> None:
         echo(line.decode(errors="replace").rstrip("\n"))
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
+def _watch(procs: list[subprocess.Popen], settle_s: float = SETTLE_S) -> int:
+    settle_until = None
     while True:
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        failed.sort(key=lambda rc: rc[1] == RankError.exit_code)  # a rank that lost a peer is not the cause: the peer is
+        # a user mistake first; a rank that lost a peer is not the cause: the peer is
+        failed.sort(key=lambda rc: (rc[1] not in USER_CODES, rc[1] == RankError.exit_code))
         if failed:
             r, c = failed[0]
+            if c in USER_CODES and None in codes:  # the others will refuse alike: let them, up to settle_s
+                settle_until = settle_until or time.monotonic() + settle_s
+                if time.monotonic() < settle_until:
+                    time.sleep(0.1)
+                    continue
             if c in USER_CODES or c == RankError.exit_code:
                 return c  # the rank said what went wrong itself (a user mistake, or the rank it lost)
             how = f"was killed by {signal.Signals(-c).name}" if c < 0 else f"exited with code {c}"

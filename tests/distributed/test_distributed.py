@@ -208,3 +208,25 @@ def test_the_worker_runs_a_request_and_speaks_like_the_cli(cap, tmp_path):
     assert r.returncode == 2 and "error: --local" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_rank_refusing_first_lets_the_others_refuse_too_and_a_hung_one_is_stopped(tmp_path):
+    """Every rank sees the same user mistake: after the first refuses (exit 2) the launcher waits for
+    the others to refuse on their own (and tidy their folders) instead of killing them mid-way; one
+    that never ends is stopped after the settle time and the run's code is still the refusal's."""
+    from oracle.parallel import launch
+
+    late = tmp_path / "late-rank-tidied"
+    slow = f"import pathlib, sys, time; time.sleep(1.0); pathlib.Path({str(late)!r}).write_text('x'); sys.exit(2)"
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"]), subprocess.Popen([sys.executable, "-c", slow])]
+    try:
+        assert launch._watch(procs, settle_s=30.0) == 2
+    finally:
+        launch._stop(procs)
+    assert late.read_text() == "x" and procs[1].returncode == 2  # it ended on its own, not by SIGTERM
+    hung = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        assert launch._watch(hung, settle_s=0.5) == 3
+    finally:
+        launch._stop(hung)
+    assert time.monotonic() - t0 < 10 and hung[1].returncode == -signal.SIGTERM
