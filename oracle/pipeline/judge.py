@@ -496,20 +496,22 @@ def logs_against_truth(truth: Path, logs: list[Path], names: list[str]) -> dict[
 
 
 CAPTURE_COMMANDS = """\
-On each cluster, the training command as it is, one variable more (first `pip install oracle-fp64` in the
-training environment; it adds only itself). Every rank writes its view of the step, before (pre/) and after
+On each cluster, the training command as it is, one variable more. First install oracle-fp64 in the
+training environment from a wheel of the checkout (`pip wheel --no-deps . -w dist/`, then `pip install
+--no-index --no-deps dist/oracle_fp64-*.whl`: it adds only itself) and run `python -m oracle doctor DIR`
+there (exit 0: the capture will fire). Every rank writes its view of the step, before (pre/) and after
 (post/) finalize_model_grads; the norms were printed before it. Capture the same step on both: the same
 weights, seed and data order (ORACLE_CAPTURE_STEP=N for a later step than the first).
 
     # {a} (megatron-core 0.12.1)
-    ORACLE_CAPTURE=/shared/{da}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ...   # your flags unchanged
+    ORACLE_CAPTURE=/shared/{da}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct --seed 42 --data_seed 42 ...   # your flags unchanged
     # {b} (MindSpeed)
-    ORACLE_CAPTURE=/shared/{db}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ...
+    ORACLE_CAPTURE=/shared/{db}-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct --seed 42 --data_seed 42 ...
 
 (ORACLE_CAPTURE_MODULES=layers as well records the decoder layers' boundaries: the judge then replays each
 layer alone and says where the error is born.) Copy both folders to one CPU host, then:
 
-    pip install "oracle-fp64[host]"
+    pip install -e ".[host]"                             # in the checkout
     oracle judge /shared/{da}-step/pre /shared/{db}-step/pre --recipe qwen3-vl --name {a} --name {b} \\
         --max-memory 48G --out judge/ --dry-run            # what it will cost, stage by stage
     oracle judge /shared/{da}-step/pre /shared/{db}-step/pre --recipe qwen3-vl --name {a} --name {b} \\

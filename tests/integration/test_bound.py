@@ -215,11 +215,16 @@ def test_synthetic_logs_within_and_beyond_the_bound(tmp_path, where, beyond):
 
 
 def test_the_logs_alone_print_the_environment_variable_recipe():
-    """The recipe is the README's: ORACLE_CAPTURE=... on the unchanged swift command, both clusters; capture_rank only for custom loops."""
+    """The recipe is the README's: the wheel and doctor, ORACLE_CAPTURE=... on the unchanged swift command with the
+    seeds pinned, both clusters; capture_rank only for custom loops."""
     res = CliRunner().invoke(app, ["judge", *LOGS])
     out = res.stdout
-    assert "ORACLE_CAPTURE=/shared/h20-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ...   # your flags unchanged" in out
-    assert "ORACLE_CAPTURE=/shared/910b-step swift megatron sft --model Qwen/Qwen3-VL-8B-Instruct ..." in out
+    pinned = "--model Qwen/Qwen3-VL-8B-Instruct --seed 42 --data_seed 42 ..."  # the same step on both (README)
+    assert f"ORACLE_CAPTURE=/shared/h20-step swift megatron sft {pinned}   # your flags unchanged" in out
+    assert f"ORACLE_CAPTURE=/shared/910b-step swift megatron sft {pinned}" in out
+    # the README's install: a wheel of the checkout, offline, checked by doctor; never a PyPI name
+    assert "pip install\n--no-index --no-deps dist/oracle_fp64-*.whl" in out and "python -m oracle doctor DIR" in out
+    assert "pip install oracle-fp64" not in out and 'pip install "oracle-fp64' not in out
     assert "oracle judge /shared/h20-step/pre /shared/910b-step/pre --recipe qwen3-vl --name H20 --name 910B" in out
     assert out.index("ORACLE_CAPTURE=") < out.index("Only for a custom training loop") < out.index("capture_rank(model")
 
