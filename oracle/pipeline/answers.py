@@ -202,8 +202,10 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
     for r in rows:
         if r["module"]:
             parts.append(f"{r['run']}: born in {r['module']} ({r['direction'] or 'direction unknown'}; {r['source']})")
-        if r["framework"]:
-            parts.append(f"{r['run']} framework: " + "; ".join(r["framework"]))
+    # each framework finding is spelled out once, on its run's own line below this summary
+    fw = [r["run"] for r in rows if r["framework"]]
+    if fw:
+        parts.append(f"framework finding in {' and '.join(fw)} (below)")
     return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
 
 

@@ -417,6 +417,7 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
             peak = max([lr] + after, key=lambda r: r["excess"])
             onset = {
                 "layer": lr["name"], "param": _short(lr["first_param"], lr["name"]), "excess": lr["excess"],
+                "param_excess": next(p["excess"] for p in params if p["name"] == lr["first_param"]),
                 "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
                 "peak_layer": peak["name"], "peak_excess": peak["excess"],
             }  # fmt: skip
@@ -438,7 +439,8 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
                 f" = {worst['excess']:.2f}x its band")  # fmt: skip
     else:
         o = onset
-        text = (f"{name} ({prec}): BEYOND NOISE; leaves the band at {o['layer']} ({o['param']}, {o['excess']:.1f}x)"
+        text = (f"{name} ({prec}): BEYOND NOISE; leaves the band at {o['layer']} ({o['excess']:.1f}x; first "
+                f"out along the backward: {o['param']}, {o['param_excess']:.1f}x)"
                 f", {o['stays_out']}/{o['after']} layers after stay out, peak {o['peak_excess']:.1f}x at {o['peak_layer']}")  # fmt: skip
     if gs and gs["explains"]:
         text += f"; loss scaling / normalisation mismatch, c = {gs['c']:.6g} (after scaling: {gs['residual_after_scaling']:.2e})"

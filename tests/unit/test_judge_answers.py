@@ -108,3 +108,20 @@ def test_an_error_that_stays_in_the_loss_ends_weight_gradient_is_born_in_the_bac
     assert o["class"] is None and o["why"].startswith("a step of 8 micro-batches: their module boundaries are not mapped")
     assert o["why"].endswith("the error stays in lm_head's weight gradient (born, 3.): its weight-gradient GEMM or "
                              "main_grad's accumulation") and o["settle"].startswith("capture a call of ONE micro-batch")  # fmt: skip
+
+
+def test_section_3_names_each_runs_framework_finding_once():
+    """The summary line of "where is the error born" points at the framework findings; each run's own
+    line below spells its finding out, once (it was in the summary and again on the run's line)."""
+    from oracle.report.judge import _per_run_lines
+
+    def cap(name, text):
+        return {"name": name, "verdict": {"class": "within_noise", "onset": None, "text": ""}, "params": [],
+                "layers": [], "framework": {"params": [{"name": "w"}], "text": text}}  # fmt: skip
+
+    a = answers.born({"captures": [cap("H20", "H20's finding"), cap("910B", "910B's finding")]}, {}, 3.0)
+    assert a["text"] == "framework finding in H20 and 910B (below)", a["text"]
+    lines = [a["text"], *_per_run_lines("born", a)]
+    for name in ("H20", "910B"):
+        assert sum(f"{name}'s finding" in x for x in lines) == 1, lines
+        assert f"   {name} framework: {name}'s finding" in lines

@@ -95,6 +95,13 @@ def test_planted_fault_onset_is_found_at_the_right_layer(name, instrument, layer
     assert v["class"] == "beyond_noise", v["text"]
     assert v["onset"]["layer"] == layer, v["text"]
     assert v["onset"]["param"].startswith(module), v["text"]
+    # the sentence pairs each number with its own: the layer's excess, then the first parameter's own
+    lr = next(r for r in c["layers"] if r["name"] == layer)
+    pr = next(p for p in c["params"] if p["name"] == lr["first_param"])
+    assert (
+        f"leaves the band at {layer} ({lr['excess']:.1f}x; first out along the backward: {v['onset']['param']}, "
+        f"{pr['excess']:.1f}x)" in v["text"]
+    ), v["text"]
     order = [lr["name"] for lr in c["layers"]]
     before = order[: order.index(layer)]
     assert all(lr["class"] == "within_noise" for lr in c["layers"] if lr["name"] in before)
