@@ -97,6 +97,25 @@ _PASSTHROUGH = {
 
 _DTYPE_GET = torch.Tensor.dtype.__get__
 
+# Memory of an emulated replay over a whole sequence (the glue between streamed units: residual adds,
+# the final norm, the head's input gradient scattered into the sequence; 65536 x 4096 float32 = 1 GiB a
+# tensor): rounding ``x.to(bf16).to(float32)`` makes a half and a whole copy of its tensor, a jittered
+# rounding five more (the draws, the mask, the moved value and its two conversions), and every operand
+# of every op was rounded again. Measured on Qwen3-VL's final RMSNorm, forward and backward of 16384 x
+# 4096 (benchmarks/emulated_glue.py): 10.5 tensors above the inputs round-to-nearest, 13.3 jittered,
+# against the float64 truth's 7 (its tensors twice as large). So:
+# - a tensor this mode rounded is recorded (id, version counter); met again as an operand it is passed
+#   as it is: rounding a rounded value gives it back (and a jittered member draws nothing for it, as
+#   ``_round``'s all-exact case already did), so the results are bitwise those of rounding it again;
+#   any in-place write (a view's included) moves the version counter and the record no longer holds;
+# - a tensor of _BLOCK elements or more is rounded block by block (the temporaries one block in size),
+#   and an op's own fresh result in place (not held twice).
+# Both only for tensors of _MARK_MIN / _BLOCK elements or more: small ones are rounded exactly as before
+# (the record would cost more than the rounding). Jittered blocks draw block by block, a stream as
+# legitimate as one draw and as repeatable.
+_MARK_MIN = 1 << 16
+_BLOCK = 1 << 22
+
 
 def _called_by_the_engine() -> bool:
     """Whether the torch call comes from oracle's own replay kernels (chunked attention, chunked
@@ -219,6 +238,7 @@ class PrecisionMode(TorchDispatchMode):
         super().__init__()
         self._fp32_ops = _FP32_CPU if device_type == "cpu" else _FP32_CUDA
         self._low: dict[int, weakref.ref] = {}  # amp: tensors that autocast would hold in low precision
+        self._rounded: dict[int, tuple[weakref.ref, int]] = {}  # tensors this mode rounded: (ref, version)
         if ops not in ("all", "amp"):
             raise ValueError("ops must be 'all' or 'amp'")
         self.compute = compute
@@ -260,11 +280,44 @@ class PrecisionMode(TorchDispatchMode):
             return x.to(self.compute)
         return x
 
-    def _round(self, x: Any) -> Any:
+    def _holds_rounded(self, x: torch.Tensor) -> bool:
+        e = self._rounded.get(id(x))
+        return e is not None and e[0]() is x and not x.is_inference() and e[1] == x._version
+
+    def _record_rounded(self, x: torch.Tensor) -> None:
+        if x.numel() < _MARK_MIN or x.is_inference():
+            return
+        key, book = id(x), self._rounded
+
+        def forget(ref, key=key, book=book):
+            if book.get(key, (None,))[0] is ref:
+                del book[key]
+
+        book[key] = (weakref.ref(x, forget), x._version)
+
+    def _round(self, x: Any, fresh: bool = False) -> Any:
+        """``x`` rounded to the emulated format (jittered in a member), as a new tensor; in place where
+        ``fresh`` (an op's own result, aliasing no input) and the tensor is large (see _BLOCK)."""
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == self.compute):
             return x
         if x.device.type == "meta":  # a placeholder (an evicted unit's parameter) holds no value: nothing to round,
             return x  # and the jitter stream must not move
+        low = self.round_to != self.compute
+        if low and self._holds_rounded(x):
+            return x
+        n = x.numel()
+        if n < _BLOCK or not x.is_contiguous():
+            out = self._round_values(x)
+        else:
+            out = x if fresh else torch.empty_like(x)
+            src, dst = x.view(-1), out.view(-1)
+            for a in range(0, n, _BLOCK):
+                dst[a : a + _BLOCK] = self._round_values(src[a : a + _BLOCK])
+        if low:
+            self._record_rounded(out)
+        return out
+
+    def _round_values(self, x: torch.Tensor) -> torch.Tensor:
         r = x.to(self.round_to).to(self.compute)
         if self._gen is None:
             return r
@@ -384,6 +437,8 @@ class PrecisionMode(TorchDispatchMode):
             return tree_map(self.mark_low, tree_map(self._round, tree_map(self._promote, func(*args, **kwargs))))
         if func.is_view or func._schema.is_mutable:
             out = func(*args, **kwargs)
+            if func.is_view and isinstance(args[0], torch.Tensor) and self._holds_rounded(args[0]):
+                tree_map(lambda o: self._record_rounded(o) if isinstance(o, torch.Tensor) else None, out)  # its values
             if self._rounds(func) and func._schema.is_mutable and func not in _PASSTHROUGH:
                 for a, x in zip(func._schema.arguments, args):
                     if a.alias_info is not None and a.alias_info.is_write and isinstance(x, torch.Tensor):
@@ -399,11 +454,15 @@ class PrecisionMode(TorchDispatchMode):
         out = tree_map(self._promote, func(*args, **kwargs))
         if not rounds:
             return out
+        held = None  # the inputs' storages, looked up only for a result large enough to round in place
+        if any(isinstance(o, torch.Tensor) and o.numel() >= _BLOCK for o in tree_flatten(out)[0]):
+            held = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided}  # fmt: skip
         if cpu_low and func == _aten.native_layer_norm_backward.default:  # pure bf16: the same kernel sums
             out = tuple(self._layer_norm_param_grads(list(out), *args[:5]))
         if keep[1]:  # outputs the kernel keeps in float32 (attention's logsumexp)
             return tuple(o if i in keep[1] else self.mark_low(self._round(o)) for i, o in enumerate(out))
-        out = tree_map(self._round, out)
+        out = tree_map(lambda o: self._round(o, fresh=_fresh(o, held)), out)
         return tree_map(self.mark_low, out) if amp else out
 
 
@@ -415,6 +474,12 @@ class PrecisionMode(TorchDispatchMode):
 # kernel with the mode set aside (``outside``) and rounds the operands and results itself, as the
 # mode rounds the fused attention op (in AMP_OPS: rounded under "all" and under amp alike).
 _FUSED_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _fresh(o: Any, held: set[int] | None) -> bool:
+    """An op's large result owning its storage (sharing none with the op's inputs): rounded in place."""
+    return (held is not None and isinstance(o, torch.Tensor) and o.layout == torch.strided and o._base is None
+            and o.untyped_storage().data_ptr() not in held)  # fmt: skip
 
 
 def emulating() -> PrecisionMode | None:

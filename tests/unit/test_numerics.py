@@ -94,3 +94,64 @@ def test_amp_mode_propagates_low_precision_from_inputs_held_in_bf16():
         assert torch.equal(y, rounded if expect_low else low.exp())
         assert not mode._is_low(mixed) and torch.equal(mixed, low * a)
     assert not torch.equal(rounded, low.exp())  # the rounding is visible at this size
+
+
+def _norm_step(mode, x, r, g, w):
+    """Qwen3-VL's final RMSNorm on a residual sum, forward and backward: glue between streamed units."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
+
+    norm = Qwen3VLTextRMSNorm(x.shape[-1])
+    norm.weight.data.copy_(w)
+    x = x.clone().requires_grad_()
+    with mode:
+        y = norm(x + r)
+        y.backward(g)
+    return y.detach(), x.grad, norm.weight.grad
+
+
+def test_large_tensors_rounded_by_blocks_and_once_give_the_same_bits(monkeypatch):
+    """Tensors of _MARK_MIN / _BLOCK elements or more: a value the mode rounded is not rounded again as an
+    operand, and the rounding runs block by block (in place on an op's fresh result). Round-to-nearest:
+    bitwise what rounding every operand whole gives. Jittered: the record alone changes no bit (an exact
+    operand drew nothing before either); blocks draw block by block: repeatable, on the grid, an honest member."""
+    import oracle.precision.mode as m
+
+    torch.manual_seed(0)
+    x, r, g = (torch.randn(1024, 4608) for _ in range(3))  # 4.7 M elements: two blocks of 2^22
+    w = 1 + 0.1 * torch.randn(4608)
+    assert x.numel() > m._BLOCK
+    new = {s: _norm_step(PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=s), x, r, g, w) for s in (None, 5)}
+    again = _norm_step(PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=5), x, r, g, w)
+    monkeypatch.setattr(m, "_BLOCK", 1 << 40)
+    record_only = _norm_step(PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=5), x, r, g, w)
+    monkeypatch.setattr(m, "_MARK_MIN", 1 << 40)
+    old = {s: _norm_step(PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=s), x, r, g, w) for s in (None, 5)}
+    for a, b in zip(new[None], old[None]):
+        assert torch.equal(a, b)
+    for a, b in zip(record_only, old[5]):
+        assert torch.equal(a, b)
+    for a, b, c in zip(new[5], again, new[None]):
+        assert torch.equal(a, b) and torch.equal(a, a.to(torch.bfloat16).float())  # repeatable, on the grid
+        assert not torch.equal(a, c)  # jittered: not the round-to-nearest member
+        assert (a - c).norm() / c.norm() < 2**-6  # an honest member: of a bf16 rounding's size from the other
+
+
+def test_a_rounded_tensor_written_in_place_is_rounded_again_as_an_operand():
+    """The record is the tensor's version: a write outside the mode (a buffer filled by an emulated fused
+    kernel) makes the next op round it as an operand again. 1 + 2^-10 is not a bf16 value: rounded it is
+    1, and (1 + 2^-10) - 1 is 0; unrounded it would be 2^-10."""
+    from oracle.precision.mode import outside
+
+    mode = PrecisionMode(torch.float32, torch.bfloat16)
+    ones = torch.ones(1 << 17)
+    with mode:
+        y = ones * 1.0  # rounded by the mode, recorded
+        assert mode._holds_rounded(y)
+        with outside():
+            y.add_(2.0**-10)
+        assert not mode._holds_rounded(y)
+        z = y - ones
+    assert torch.equal(z, torch.zeros_like(z))
+    with mode:
+        v = (ones * 1.0).view(-1, 2)  # a view of a rounded tensor holds rounded values too
+        assert mode._holds_rounded(v)
