@@ -558,7 +558,9 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
     doc = {"schema_version": answers_mod.SCHEMA_VERSION, "kind": "oracle-judge-logs", "names": list(labels),
            "shows": shows, "bound": bnd, "cannot_conclude": cannot,
            "capture_commands": CAPTURE_COMMANDS.format(a=labels[0], b=labels[1], da=_slug(labels[0]), db=_slug(labels[1]), log_a=log_a, log_b=log_b), "compare": cmp,
-           "compare_text": normlog.render_compare(cmp)}  # fmt: skip
+           # the side-by-side summary without its "cannot tell ... whether the gap exceeds honest noise": the bound
+           # above answers that, and what the logs cannot tell is listed once, in cannot_conclude
+           "compare_text": normlog.render_compare(dict(cmp, summary="\n".join(shows)))}  # fmt: skip
     if out is not None:
         from ..bundle.jsonio import write_json
 

@@ -169,6 +169,8 @@ def test_the_users_logs_are_beyond_the_bound_at_the_embedding(tmp_path):
     assert "L = 3 decoder layers, as many as the logs name" in out
     assert (f"embedding: the norms differ by |r-1| = 48.1% (r = 1.4815), so at least one run is at least |r-1|/(1+r) = 19.4% "
             f"off the truth there, {0.4815 / 2.4815 / b3:.1f}x the bound {b3:.1%}: BEYOND honest round-off for this depth") in out
+    # what the logs cannot tell is said once, and never that the gap's size against noise is unknown
+    assert "whether the gap exceeds honest bf16 noise" not in out and out.count("which run is right") == 1, out
     doc = json.loads((tmp_path / "o" / "judge.json").read_text())
     emb = doc["bound"]["rows"][-1]
     assert emb["layer"] == "embedding" and emb["n"] == 4 and emb["beyond"] and doc["bound"]["beyond"]
