@@ -1,8 +1,9 @@
 """Where a streamed replay's peak resident set is reached: RSS sampled every 5 ms, by phase.
 
-    python benchmarks/rss_trace.py CAPTURE OUT [--max-memory 16G] [--pages 4k|huge]
+    python benchmarks/rss_trace.py CAPTURE OUT [--max-memory 16G] [--pages 4k|huge] [--dtype fp64|bf16|amp-bf16|fp32]
 
-Runs ``oracle replay CAPTURE --out OUT --max-memory SIZE`` in this process (with huge pages, as the
+Runs ``oracle replay CAPTURE --out OUT --max-memory SIZE --dtype D`` (the float64 truth by default; a
+band member's precision to trace a member) in this process (with huge pages, as the
 command line does, unless ``--pages 4k``) while a thread samples /proc/self/statm every 5 ms and
 notes the phase (and the file-backed part of the resident set): each unit's forward and backward,
 the head's vocabulary chunks, the final write. Prints the peak RSS of each phase (the top 8), the
@@ -30,6 +31,11 @@ def main() -> None:
     if "--pages" in args:
         i = args.index("--pages")
         pages = args[i + 1]
+        del args[i : i + 2]
+    dtype = "fp64"
+    if "--dtype" in args:
+        i = args.index("--dtype")
+        dtype = args[i + 1]
         del args[i : i + 2]
     budget = "16G"
     if "--max-memory" in args:
@@ -90,12 +96,12 @@ def main() -> None:
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     t0 = time.perf_counter()
-    cli.app(["replay", cap, "--out", out, "--max-memory", budget, "--overwrite"], standalone_mode=False)
+    cli.app(["replay", cap, "--out", out, "--max-memory", budget, "--dtype", dtype, "--overwrite"], standalone_mode=False)
     stop.set()
     t.join()
     G = 2**30
     top = sorted(peaks.items(), key=lambda kv: -kv[1])[:8]
-    print(f"pages {pages}: {time.perf_counter() - t0:.0f} s; sampled peak {max(peaks.values()) / G:.2f} GiB, "
+    print(f"pages {pages}, --dtype {dtype}: {time.perf_counter() - t0:.0f} s; sampled peak {max(peaks.values()) / G:.2f} GiB, "
           f"ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / G:.2f} GiB, "
           f"VmHWM {engine.max_rss_bytes() / G:.2f} GiB")  # fmt: skip
     for p, v in top:
