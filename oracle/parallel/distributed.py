@@ -187,7 +187,8 @@ def _watch(store, me: int, n: int, t: float) -> None:
 
 
 def finish() -> None:
-    """The run is over on this rank: the watchdog stops watching (rank 0 leaves first)."""
+    """The run is over on this rank: the watchdog stops watching (rank 0 leaves last), and the process
+    group is destroyed before the interpreter's teardown."""
     if world() > 1 and dist.is_initialized():
         store = _STATE["store"]
         if rank() == 0:  # keep the store up until every rank has read that the bundle is out
@@ -198,6 +199,13 @@ def finish() -> None:
             _wait(store, ["oracle/published"])
             _STATE["finished"] = True
             store.set(f"oracle/finished/{rank()}", "1")
+        # The process group is destroyed here, while the interpreter is whole. Left to the interpreter's
+        # teardown, gloo's worker threads can meet a half-finalized interpreter and abort the rank with
+        # SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489) after its work
+        # is done, which the launcher must read as a lost rank (seen once in a CI rehearsal of --nproc 3).
+        # Rank 0 gets here last (it waited for every rank's finished key), so its store outlives their use.
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group()
 
 
 def _wait(store, keys: list[str]) -> None:

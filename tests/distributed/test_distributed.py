@@ -230,3 +230,31 @@ def test_a_rank_refusing_first_lets_the_others_refuse_too_and_a_hung_one_is_stop
     finally:
         launch._stop(hung)
     assert time.monotonic() - t0 < 10 and hung[1].returncode == -signal.SIGTERM
+
+
+RANK_END = """
+import sys, torch, torch.distributed as dist
+from oracle.parallel import distributed
+assert distributed.init()
+t = torch.ones(4) * (distributed.rank() + 1)
+dist.all_reduce(t)  # gloo's worker threads have run
+distributed.finish()
+print("initialized after finish:", dist.is_initialized(), "sum:", int(t[0]), flush=True)
+"""
+
+
+def test_finish_destroys_the_process_group_before_the_interpreter_ends(tmp_path):
+    """Three real ranks over gloo: after finish() the process group is gone on every rank (left to the
+    interpreter's teardown, gloo's threads can abort a rank that has done its work: SIGABRT, read by
+    the launcher as a lost rank, pytorch/pytorch#190489), and every rank exits 0."""
+    from oracle.parallel import launch
+
+    port, n = launch.free_port(), 3
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_END], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
+             for r in range(n)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "initialized after finish: False sum: 6" in out, (out, err)
