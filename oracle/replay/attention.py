@@ -370,25 +370,17 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 
-def block_causal_mask(cu: list[int], batch: int, device=None) -> torch.Tensor:
-    """(batch, 1, T, T) bool, True = attend: query i sees key j of its own sample with j <= i; the mask
-    transformers' sdpa mask builder makes for packed samples."""
-    T = cu[-1]
-    sample = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=device))
-    i = torch.arange(T, device=device)
-    keep = (sample.view(-1, 1) == sample.view(1, -1)) & (i.view(1, -1) <= i.view(-1, 1))
-    return keep.view(1, 1, T, T).expand(batch, 1, T, T)
-
-
 def fused_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
-    """``FUSED``: an emulated streamed replay's attention. transformers' own sdpa, as the in-memory
-    emulated replay runs it (one fused op, which the PrecisionMode rounds at its output only, as a
-    device's flash attention), except that
+    """``FUSED``: an emulated replay's attention (in memory and streamed). transformers' own sdpa (one
+    fused op, which the PrecisionMode rounds at its operands and output only, as a device's flash
+    attention), except that
       - a causal call inside ``rows_call`` goes to the decoder layer run by row chunks
         (streaming/layers.py: the same fused kernel, emulated there by ``precision.mode.kernel_io``);
-      - the causal mask of packed samples is built here from the boundaries (``_boundaries``) for the
-        call, not by the model up front: the registered mask function builds none, so a long packed
-        sequence never holds a T x T mask (65536 tokens: 4 GiB) between the layers."""
+      - packed samples (``_boundaries``) are one causal sdpa call each, as a device's varlen kernel
+        (flash attention's cu_seqlens, MindSpeed's TND layout) runs them: no T x T mask is ever built
+        (65536 tokens: 4 GiB), and the work grows with the samples' lengths squared, not the
+        sequence's (a 96-sample step through a masked sdpa computed 96x the attention the device does).
+        Each call's output is rounded once by the mode; their concatenation moves no value."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -396,12 +388,14 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
     if rows is not None and causal:
         chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
         return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
-    if causal and attention_mask is None:
-        cu = _boundaries(query, True, kwargs)
-        if cu is not None and len(cu) > 2:
-            attention_mask = block_causal_mask(cu, query.shape[0], query.device)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)  # fmt: skip
+    cu = _boundaries(query, True, kwargs) if causal and attention_mask is None else None
+    if cu is None or len(cu) <= 2:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    lengths = [b - a for a, b in zip(cu, cu[1:])]  # split, not slices: its backward is one cat (a slice's, a
+    outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0]  # zero
+            for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]  # T-row tensor per sample)
+    return torch.cat(outs, dim=1), None  # (B, T, H, D)
 
 
 def _probe_pattern(mask_function, n: int, causal: bool) -> None:

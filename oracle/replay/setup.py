@@ -34,16 +34,14 @@ def carry_inputs_and_weights(cap: Bundle, w: BundleWriter) -> None:
             w.adopt(group, cap.path / fname, entries)
 
 
-def use_replay_attention(model: torch.nn.Module, round_to, streamed: bool = False) -> None:
+def use_replay_attention(model: torch.nn.Module, round_to) -> None:
     """The oracle runs attention through the exact chunked kernel (oracle/replay/attention.py): float64,
     O(T x chunk) memory. An emulated run keeps the recipe's fused sdpa: one op, rounded once at its
     output, as a device's fused (flash) attention is; rounding each chunk's scores would overstate
-    the honest error. Streamed, it runs that sdpa through ``attention.FUSED``, so that its decoder
-    layers can run by row chunks (streaming/layers.py) with the same kernel semantics."""
-    if round_to is None:
-        attention.use(model)
-    elif streamed:
-        attention.use(model, attention.FUSED)
+    the honest error. It runs that sdpa through ``attention.FUSED``, in memory and streamed alike:
+    packed samples one call each (a device's varlen kernel), and streamed decoder layers by row chunks
+    (streaming/layers.py) with the same kernel semantics."""
+    attention.use(model) if round_to is None else attention.use(model, attention.FUSED)
 
 
 def load_inputs(cap: Bundle, compute: torch.dtype) -> dict[str, torch.Tensor]:

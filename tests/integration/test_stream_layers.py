@@ -18,6 +18,16 @@ from oracle.replay.streaming import layers
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _block_causal_mask(cu: list[int], batch: int) -> torch.Tensor:
+    """(batch, 1, T, T) bool, True = attend: query i sees key j of its own sample with j <= i (the mask
+    transformers' sdpa mask builder makes for packed samples)."""
+    T = cu[-1]
+    sample = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+    i = torch.arange(T)
+    keep = (sample.view(-1, 1) == sample.view(1, -1)) & (i.view(1, -1) <= i.view(-1, 1))
+    return keep.view(1, 1, T, T).expand(batch, 1, T, T)
+
+
 def _grads(path) -> dict[str, torch.Tensor]:
     return Bundle(path).load_group("grads")
 
@@ -119,6 +129,39 @@ def test_a_planted_key_error_is_seen(packed_text, tmp_path, small_grid, monkeypa
     assert Bundle(ok).get("loss")["value"] != Bundle(bad).get("loss")["value"]
 
 
+def test_an_in_memory_member_runs_packed_samples_as_one_fused_call_each(packed_text, tmp_path, monkeypatch):
+    """An emulated replay in memory runs each packed sample's attention as its own causal sdpa call, with no
+    mask (a device's varlen kernel; a masked call over the sequence computed samples x the attention and
+    held a T x T mask), and is as honest as before: its error against the float64 truth within 1/2..2 of
+    the same member with the masked call over the whole sequence (transformers' own, planted back)."""
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    _, cap = packed_text
+    cu = Bundle(cap).get("packing")["cu_seqlens"]
+    layers_n = Bundle(cap).manifest["recipe"]["config"]["num_hidden_layers"]
+    truth = _grads(replay(cap, tmp_path / "t", verify="off"))
+    calls, real = [], sdpa_mod.sdpa_attention_forward
+
+    def spy(module, q, k, v, mask, **kw):
+        calls.append((q.shape[2], mask is None))
+        return real(module, q, k, v, mask, **kw)
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", spy)
+    per_sample = _grads(replay(cap, tmp_path / "m", dtype="bf16", verify="off"))
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert calls == [(n, True) for n in lengths] * layers_n, calls  # the forward: one call per sample and layer
+    # planted: the attention over the whole sequence with transformers' block-causal mask (the code before)
+    monkeypatch.setattr(attention, "fused_attention_forward",
+                        lambda m, q, k, v, mask, **kw: real(m, q, k, v, _block_causal_mask(cu, q.shape[0]), **kw))
+    calls.clear()
+    whole = _grads(replay(cap, tmp_path / "w", dtype="bf16", verify="off"))
+    rel = lambda d, n: float((d[n] - truth[n]).norm() / truth[n].norm())  # noqa: E731
+    names = [n for n in truth if truth[n].norm() > 0]
+    ratios = sorted(rel(per_sample, n) / max(rel(whole, n), 1e-30) for n in names)
+    assert 0.5 <= ratios[len(ratios) // 2] <= 2, ratios
+    assert any(not torch.equal(per_sample[n], whole[n]) for n in names)  # the planted path did run
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "amp-bf16"])
 def test_emulated_members_run_their_layers_by_row_chunks_as_honest_as_in_memory(packed_text, tmp_path, small_grid,
                                                                                chunk_calls, dtype):  # fmt: skip
@@ -161,7 +204,7 @@ def test_the_fused_kernel_emulation_is_the_flash_kernel_rounded_at_its_output(sm
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, D, cu = 1, 4, 2, 64, 16, [0, 40, 64]
     q, k, v, dout = (torch.randn(B, h, T, D, generator=g).bfloat16().float() for h in (H, Hkv, Hkv, H))
-    mask = torch.zeros(B, 1, T, T).masked_fill_(~attention.block_causal_mask(cu, B), -math.inf)  # the kernel's additive form
+    mask = torch.zeros(B, 1, T, T).masked_fill_(~_block_causal_mask(cu, B), -math.inf)  # the kernel's additive form
     kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
     bf = lambda x: x.bfloat16().float()  # noqa: E731
     out, lse = flash.default(q, kk, vv, 0.0, False, attn_mask=mask, scale=D**-0.5)

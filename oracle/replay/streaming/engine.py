@@ -179,7 +179,7 @@ class StreamEngine:
         self.cap, self.recipe, self.mode, self.compute = cap, recipe, mode, compute
         self.work, self.member, self.progress = work, member, progress
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
-        use_replay_attention(self.model, mode.round_to, streamed=True)
+        use_replay_attention(self.model, mode.round_to)
         self.weights = Weights(cap, compute)
         self.units, self.unit_params, self.head, self.resident = partition(self.model, recipe)
         for n in self.resident:  # small or shared: loaded once, ordinary autograd
