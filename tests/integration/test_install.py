@@ -171,6 +171,16 @@ def test_doctor_names_an_unwritable_folder_and_a_bad_step(tmp_path):
     assert "ORACLE_CAPTURE_STEP='first' is not a non-negative integer" in r.stdout and "Traceback" not in r.stderr
 
 
+def test_doctor_without_a_folder_says_how_to_check_one(tmp_path):
+    """No DIR and no ORACLE_CAPTURE: the folder line says it is not set and how to check one; no traceback."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ORACLE_CAPTURE"}
+    r = subprocess.run([sys.executable, "-m", "oracle", "doctor"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert "capture folder: ORACLE_CAPTURE is not set here; check the folder with `oracle doctor DIR`" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr and r.returncode in (0, 12)
+
+
 @pytest.mark.parametrize("args,code,message", [
     (["--tp", "0"], 2, "--tp 0: expected a whole number >= 1"),
     (["--tp", "-2"], 2, "--tp -2: expected a whole number >= 1"),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli import app
@@ -31,6 +32,7 @@ def test_logs_given_as_runs_point_to_log_a_and_log_b(tmp_path):
     for extra in ([], ["--out", str(tmp_path / "w")]):
         res = _err(["judge", str(H20), str(NPU), *extra])
         assert res.exit_code == 2, res.output
+        assert f"run A: {H20} is a file, neither a capture bundle nor a folder of rank bundles" in res.stderr
         assert "looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log" in res.stderr
         assert "--out" not in res.stderr
     res = _err(["judge", str(H20)])  # one log alone: the same hint
@@ -47,6 +49,19 @@ def test_a_folder_given_as_a_log_is_named_as_a_folder(tmp_path):
     assert f"--log-b {d} is a folder: give the grad-norm log file itself (it holds rank0.log)" in res.stderr
     res = _err(["judge", "--log-a", str(H20), "--log-b", str(tmp_path / "missing.log")])
     assert res.exit_code == 3 and "--log-b" in res.stderr and "does not exist" in res.stderr
+
+
+def test_an_absent_or_empty_run_folder_points_at_the_start_up_hook(fp32_capture, tmp_path):
+    """A run folder ORACLE_CAPTURE never wrote (a training process without oracle's start-up hook captures
+    nothing and says nothing): absent, exit 3; empty, exit 2; each names the run and says to run
+    `oracle doctor` in the training environment."""
+    res = _err(["judge", str(tmp_path / "h20" / "pre"), str(fp32_capture), "--out", str(tmp_path / "j")])
+    assert res.exit_code == 3 and f"run A: {tmp_path / 'h20' / 'pre'} does not exist" in res.stderr, res.output
+    assert "start-up hook" in res.stderr and "python -m oracle doctor DIR" in res.stderr
+    (tmp_path / "empty").mkdir()
+    res = _err(["judge", str(fp32_capture), str(tmp_path / "empty"), "--out", str(tmp_path / "j")])
+    assert res.exit_code == 2 and "run B: " in res.stderr and "holds no capture bundle (manifest.json) and no rank bundles" in res.stderr
+    assert "python -m oracle doctor DIR" in res.stderr and not (tmp_path / "j").exists()
 
 
 def test_the_same_log_twice_is_named_and_two_rank0_logs_get_their_folders_names(tmp_path):
@@ -143,6 +158,31 @@ def test_stage_estimates_follow_the_machine_speed_seen_so_far(monkeypatch):
     assert said[0].endswith("(this stage ~10 s, ETA 20 s)"), said
     assert said[1].endswith("done in 20.0 s (estimated 10 s); ETA 14 s"), said
     assert said[2].endswith("(this stage ~14 s, ETA 14 s)"), said
+
+
+def test_judge_estimates_count_each_packed_samples_attention_calls(fp32_capture, tmp_path):
+    """A packed step's replay runs one attention kernel call per sample (text) or image (ViT) and attention
+    module; on a small model their dispatch, not their FLOPs, is the time (a 96-sample tiny step: 20x the
+    truth's time of one sample, benchmarks/judge_eta.py). The planner counts them, and the judge's truth and
+    band estimates carry TRUTH_CALL_PROBES / the member's per-call probes for each, in probes of this machine."""
+    from helpers import packed_vl_capture
+
+    from oracle.bundle.store import Bundle
+    from oracle.pipeline import eta
+    from oracle.pipeline import judge as judge_mod
+    from oracle.replay.streaming.plan import plan
+
+    packed = packed_vl_capture(tmp_path)  # 3 samples, one image each
+    cfg = Bundle(fp32_capture).manifest["recipe"]["config"]
+    per_sample = cfg["text_config"]["num_hidden_layers"] + cfg["vision_config"]["depth"]
+    one, three = (plan(Bundle(c), "fp64", streamed=False) for c in (fp32_capture, packed))
+    assert (one["attention_calls"], three["attention_calls"]) == (per_sample, 3 * per_sample)
+    j = judge_mod.Judge(packed, packed, out=tmp_path / "j", names=["a", "b"], ensemble=2)
+    est = j.estimates([Bundle(packed), Bundle(packed)])
+    fixed = est["truth"]["seconds"] - est["truth"]["gemm_seconds"]
+    assert fixed / j.probe_s == pytest.approx(eta.TRUTH_PROBES + eta.TRUTH_CALL_PROBES * 3 * per_sample)
+    band = est["band-fp32"]["seconds"] - est["band-fp32"]["gemm_seconds"]
+    assert band / j.probe_s == pytest.approx(2 * (eta.MEMBER_PROBES["fp32"] + eta.MEMBER_CALL_PROBES["fp32"] * 3 * per_sample))
 
 
 def test_judge_estimates_hold_a_replays_fixed_cost_in_probes_of_this_machine(fp32_capture, amp_capture, monkeypatch):

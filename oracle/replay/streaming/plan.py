@@ -91,6 +91,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     images = cap.load("inputs", "image_grid_thw").prod(-1).tolist() if "image_grid_thw" in tensors else []
     passes = 4 if streamed else 3
     flops = {"linear": 0.0, "attention": 0.0, "head": 0.0}
+    calls = 0  # attention kernel calls per pass: one per sample (text) or image (ViT) and attention module
     for name, mod in model.named_modules():
         vision = "visual" in name
         if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
@@ -101,6 +102,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
                 flops["attention"] += sum(4 * p * p * d for p in images) * passes
             else:
                 flops["attention"] += sum(2 * length * length * d for length in lengths) * passes
+            calls += len(images) if vision else len(lengths)
     head = getattr(model, "lm_head", None)
     n_loss = int((cap.load("inputs", "labels") != -100).sum()) if "labels" in tensors else 0
     if head is not None:
@@ -130,7 +132,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     fits = budget is None or budget >= fixed
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
-        "parameters": n_params, "units": len(units), "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
+        "parameters": n_params, "units": len(units), "attention_calls": calls, "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
         "estimated_seconds": total / (rate * efficiency) / ranks, "efficiency": efficiency, "ranks": ranks,
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
                    "activations": activations, "activations_in_memory": activations - overflow,
