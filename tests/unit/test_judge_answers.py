@@ -125,3 +125,36 @@ def test_section_3_names_each_runs_framework_finding_once():
     for name in ("H20", "910B"):
         assert sum(f"{name}'s finding" in x for x in lines) == 1, lines
         assert f"   {name} framework: {name}'s finding" in lines
+
+
+def test_parameters_beyond_their_band_inside_layers_within_theirs_are_said_not_hidden():
+    """The verdict is per layer; a fault confined to a few parameters can leave them beyond their band while
+    their layer stays within its own (a new user's planted 5 % MLP-gradient scale in bf16: three weights
+    3.2-3.4x, the layer 1.00x, and the answer said only "honest noise"). Answer 1 and the headline now name
+    them; a run without any, a run beyond noise, and gradients the framework left unreduced are unchanged."""
+
+    def cap(name, cls, beyond, framework=()):
+        params = [{"name": f"{L1}.{p}.weight", "layer": "layers.1", "class": "beyond_noise" if p in beyond else "within_noise",
+                   "excess": {"mlp.down_proj": 3.4, "mlp.up_proj": 3.35}.get(p, 0.6) if p in beyond else 0.6} for p in PARAMS]  # fmt: skip
+        fw = {"params": [{"name": f"{L1}.{p}.weight"} for p in framework], "text": "f"} if framework else None
+        return {"name": name, "precision": "bf16", "band_kind": "emulated bf16 x2", "params": params, "layers": [],
+                "framework": fw, "verdict": {"class": cls, "excess": 1.0 if cls == "within_noise" else 5.0, "text": ""}}  # fmt: skip
+
+    score = {"captures": [cap("H20", "within_noise", set()), cap("910B", "within_noise", {"mlp.up_proj", "mlp.down_proj"})],
+             "margin": 3.0}  # fmt: skip
+    a = answers.noise(score)
+    h20, npu = a["text"].split("; 910B")
+    assert "beyond their own band" not in h20
+    assert (f"2 parameter(s) beyond their own band inside layers within theirs ({L1}.mlp.down_proj.weight 3.40x and 1 more)"
+            in npu), a["text"]  # fmt: skip
+    assert a["faulty"] == []
+    head = answers.headline(a, {"per_run": []}, {"per_run": []})
+    assert head.startswith("answer: both runs are honest noise") and "910B has 2 parameter(s) beyond their own band (see 1.)" in head
+    # a run beyond noise at the layer level: its verdict speaks; gradients the framework left out: not strays
+    score["captures"][1] = cap("910B", "beyond_noise", {"mlp.down_proj"})
+    assert "inside layers within theirs" not in answers.noise(score)["text"]
+    score["captures"][1] = cap("910B", "within_noise", {"mlp.down_proj"}, framework=["mlp.down_proj"])
+    a = answers.noise(score)
+    assert "inside layers within theirs" not in a["text"]
+    assert answers.headline(a, {"per_run": []}, {"per_run": []}) == (
+        "answer: both runs are honest noise of their own precision; no device bug is shown by this step")
