@@ -198,9 +198,12 @@ def _run_answer(c: dict[str, Any], beyond: list, disagree: list, k: dict[str, An
         if not rs:
             continue
         names = ", ".join(r["name"] for r in rs[:4]) + (f", ... ({len(rs) - 4} more)" if len(rs) > 4 else "")
-        if kind == BEYOND_BOUND_WITHIN_BAND:
+        if kind == BEYOND_BOUND_WITHIN_BAND and rs[0]["band"] > rs[0]["bound"]:
             why = ("the emulated band of this step is wider there than the round-off model allows: honest by the band "
                    "(the verdict), larger than k C^n u; the bound's constants come from tiny models")  # fmt: skip
+        elif kind == BEYOND_BOUND_WITHIN_BAND:  # the band itself under the bound: the margin let the error through
+            why = (f"within the margin ({margin:g}x) of the emulated band, which is itself under the bound there: honest "
+                   "by the band (the verdict) only through the margin; a smaller --margin would call it beyond noise")  # fmt: skip
         else:
             why = ("an error honest rounding could make by the bound's count, but larger than this step's emulated "
                    f"members reach (x margin {margin:g}): the band, measured on this step, rules")  # fmt: skip

@@ -135,6 +135,10 @@ def test_beyond_the_bound_but_within_the_band_is_said(step):
     assert [d["layer"] for d in ans["disagree"]] == ["layers.0"]
     line = next(x for x in render_judge(doc).splitlines() if "beyond the bound, within the band" in x)
     assert "NPU: beyond the bound, within the band at layers.0" in line and "3.00x" in line
+    # the band is under the bound here: the margin let the error through, and the line says so (it said the band
+    # was wider than the round-off model allows)
+    assert band_row["band"] < b and "wider there than the round-off model" not in line
+    assert "which is itself under the bound there" in line and "a smaller --margin would call it beyond noise" in line
     assert "; beyond the bound, within the band" in next(x for x in render_judge(doc).splitlines() if x.strip().startswith("layers.0 "))
 
 
