@@ -73,18 +73,17 @@ def _stray_text(rows: list[dict[str, Any]]) -> str:
 
 
 def noise(score: dict[str, Any]) -> dict[str, Any]:
-    rows = []
+    rows, said = [], []
     for c in score["captures"]:
         v = c["verdict"]
         honest = v["class"] == "within_noise"
+        stray = stray_params(c)
         rows.append({"run": c["name"], "precision": c["precision"], "class": v["class"], "honest": honest,
-                     "band": c["band_kind"], "excess": v["excess"], "text": v["text"],
-                     "stray": [p["name"] for p in stray_params(c)]})  # fmt: skip
+                     "band": c["band_kind"], "excess": v["excess"], "text": v["text"], "stray": [p["name"] for p in stray]})  # fmt: skip
+        said.append(f"{c['name']}: {'honest noise' if honest else 'NOT honest noise'} against its own band "
+                    f"({c['band_kind']}, worst {v['excess']:.2f}x)" + (f", but {_stray_text(stray)}" if stray else ""))  # fmt: skip
     faulty = [r["run"] for r in rows if not r["honest"]]
-    strays = {c["name"]: stray_params(c) for c in score["captures"]}
-    text = ("; ".join(f"{r['run']}: {'honest noise' if r['honest'] else 'NOT honest noise'} against its own band "
-                      f"({r['band']}, worst {r['excess']:.2f}x)" + (f", but {_stray_text(strays[r['run']])}" if r["stray"] else "")
-                      for r in rows))  # fmt: skip
+    text = "; ".join(said)
     return {"per_run": rows, "faulty": faulty, "text": text, "band": band_meaning(score)}
 
 

@@ -45,10 +45,11 @@ from __future__ import annotations
 
 # Fixed cost per pass in probes (planner runs), measured on the tiny Qwen3-VL of ``oracle demo``
 # (``python benchmarks/judge_eta.py``: 1, 24 and 96 packed samples, judge's own stages timed).
-# The truth (float64 + its certificate): 6.7 probes quiet (2026-12-03: 0.51 s, probe 0.076 s), 7.2-8.6
-# with one more busy core (CI rehearsal, 2026-12-02), 15-25 under load 6-15 (the planner, mostly one
-# thread, slows less than the replay). 10 is within 1.5x of the quiet and CI ends; the first stage
-# under heavy load is then up to 2.5x short, and the stages after it are calibrated (``Calibration``).
+# The truth (float64 + its certificate): 5-7 probes quiet (2026-12-03: 0.37-0.51 s, probes of 0.06-0.08 s),
+# 7.2-8.6 with one more busy core in a CI rehearsal (2026-12-02), 15-25 under load 6-15 (the planner,
+# mostly one thread, slows less than the replay). 10 is within 2x of the quiet end and of 15; beyond
+# that the first stage is short of its real time, and the stages after it are calibrated on it
+# (``Calibration``).
 # An emulated member a share of the truth that depends on its precision: fp32 0.67-0.96 (every op
 # rounded to fp32: 0.82 quiet), amp-bf16 0.35-0.61 (only autocast's ops emulated: 0.58 quiet).
 # Per attention call (same runs, the slope from 7 to 672 calls, linear within 3 %): the truth 0.19,

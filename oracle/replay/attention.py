@@ -392,9 +392,10 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
     if cu is None or len(cu) <= 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
-    lengths = [b - a for a, b in zip(cu, cu[1:])]  # split, not slices: its backward is one cat (a slice's, a
-    outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0]  # zero
-            for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]  # T-row tensor per sample)
+    # split, not slices: split's backward is one cat, a slice's a zero tensor of all T rows per sample
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0] for q, k, v in parts]
     return torch.cat(outs, dim=1), None  # (B, T, H, D)
 
 

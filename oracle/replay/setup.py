@@ -41,7 +41,7 @@ def use_replay_attention(model: torch.nn.Module, round_to) -> None:
     the honest error. It runs that sdpa through ``attention.FUSED``, in memory and streamed alike:
     packed samples one call each (a device's varlen kernel), and streamed decoder layers by row chunks
     (streaming/layers.py) with the same kernel semantics."""
-    attention.use(model) if round_to is None else attention.use(model, attention.FUSED)
+    attention.use(model, attention.NAME if round_to is None else attention.FUSED)
 
 
 def load_inputs(cap: Bundle, compute: torch.dtype) -> dict[str, torch.Tensor]:
