@@ -26,7 +26,7 @@ from typing import Any
 
 from ..bundle.store import Bundle
 from ..errors import InputNotFound, OracleError, UsageError
-from ..precision import CAPTURE_NAMES
+from ..precision import CAPTURE_NAMES, emulation
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
@@ -275,7 +275,7 @@ class Judge:
     def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
         """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
         this machine now (``eta.py``)."""
-        from ..replay.streaming.plan import plan
+        from ..replay.streaming.plan import gemm_rates, plan
 
         est: dict[str, dict[str, float]] = {}
         for (k, p), n in zip(self.inputs, self.names):
@@ -288,15 +288,21 @@ class Judge:
         t0 = time.perf_counter()  # the probe (eta.py): the planner's wall time on this capture, now
         plans = {prec: plan(cap, prec, streamed=streamed, budget=self.budget) for prec in precs} or {"fp64": plan(cap, "fp64", streamed=streamed, budget=self.budget)}
         probe = self.probe_s = (time.perf_counter() - t0) / len(plans)
+        # The GEMM times again from one interleaved probe of both dtypes (plan.gemm_rates): each plan's own
+        # probe ran at another moment, and a load between them moved the band's price against the truth's
+        # 0.47-1.55x in five dry runs of the 8B step with one core kept busy.
+        compute = {d: emulation(d)[0] for d in ("fp64", *precs)}  # the dtype each pass's GEMMs run in
+        rates = gemm_rates(tuple(dict.fromkeys(compute.values())))
+        gemm_s = lambda q: q["estimated_seconds"] * q["gemm_flops_per_s"] / rates[compute[q["dtype"]]]  # noqa: E731
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
-        est["truth"] = {"seconds": eta.truth_seconds(base["estimated_seconds"], base["attention_calls"], probe), "flops": base["total_flops"],
-                        "gemm_seconds": base["estimated_seconds"],
+        est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe), "flops": base["total_flops"],
+                        "gemm_seconds": gemm_s(base),
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
             q = plans[prec]
-            est[f"band-{prec}"] = {"seconds": eta.member_seconds(prec, q["estimated_seconds"], q["attention_calls"], probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
-                                   "gemm_seconds": q["estimated_seconds"] * self.ensemble / self._spread(),
+            est[f"band-{prec}"] = {"seconds": eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
+                                   "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(),
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         grads = base["disk"]["gradients"]

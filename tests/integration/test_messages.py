@@ -185,6 +185,26 @@ def test_judge_estimates_count_each_packed_samples_attention_calls(fp32_capture,
     assert band / j.probe_s == pytest.approx(2 * (eta.MEMBER_PROBES["fp32"] + eta.MEMBER_CALL_PROBES["fp32"] * 3 * per_sample))
 
 
+def test_judge_prices_the_truth_and_the_bands_from_one_interleaved_gemm_probe(fp32_capture, amp_capture, monkeypatch):
+    """Each plan probes its dtype's GEMM rate at its own moment; the judge prices every pass's GEMMs from one
+    probe of both dtypes in turn (plan.gemm_rates), so a load that comes and goes between two plans no longer
+    moves the band's price against the truth's (8B dry runs on a quiet machine: 1.22-1.28x, was 1.00-1.43x)."""
+    import torch
+
+    from oracle.bundle.store import Bundle
+    from oracle.pipeline import judge as judge_mod
+    from oracle.replay.streaming import plan as plan_mod
+
+    rates = plan_mod.gemm_rates((torch.float64, torch.float32), rounds=2)
+    assert set(rates) == {torch.float64, torch.float32} and min(rates.values()) > 0
+    monkeypatch.setattr(plan_mod, "gemm_rates", lambda dtypes, **k: {torch.float64: 1e9, torch.float32: 4e9})
+    j = judge_mod.Judge(fp32_capture, amp_capture, out=".", ensemble=2)
+    est = j.estimates([Bundle(fp32_capture), Bundle(amp_capture)])
+    base, member = (plan_mod.plan(Bundle(fp32_capture), d, streamed=False) for d in ("fp64", "fp32"))
+    assert est["truth"]["gemm_seconds"] == pytest.approx(base["total_flops"] / (1e9 * base["efficiency"]))
+    assert est["band-fp32"]["gemm_seconds"] == pytest.approx(2 * member["total_flops"] / (4e9 * member["efficiency"]))
+
+
 def test_judge_estimates_hold_a_replays_fixed_cost_in_probes_of_this_machine(fp32_capture, amp_capture, monkeypatch):
     """A tiny model's replay stages are estimated at their fixed cost: TRUTH_PROBES / member_probes() times the
     planner's wall time on this capture now (a slower planner, a longer estimate), not the < 1 s of their FLOPs."""

@@ -51,6 +51,22 @@ def gemm_rate(n: int = 768, reps: int = 3, dtype: torch.dtype = torch.float64) -
     return 2 * n**3 / best
 
 
+def gemm_rates(dtypes: tuple[torch.dtype, ...], n: int = 768, rounds: int = 5) -> dict[torch.dtype, float]:
+    """``gemm_rate`` of several dtypes measured in turn, round after round (best of ``rounds`` each): a
+    load that comes and goes between two separate probes moves their ratio (the price of a float32 band
+    member against the float64 truth) far more than it moves either best."""
+    mats = {d: (torch.randn(n, n, dtype=d), torch.randn(n, n, dtype=d)) for d in dtypes}
+    best = dict.fromkeys(dtypes, float("inf"))
+    for r in range(rounds):
+        for d in dtypes if r % 2 == 0 else dtypes[::-1]:
+            a, b = mats[d]
+            a @ b  # noqa: B018 -- warm this dtype's kernel after the other's
+            t = time.perf_counter()
+            a @ b  # noqa: B018
+            best[d] = min(best[d], time.perf_counter() - t)
+    return {d: 2 * n**3 / s for d, s in best.items()}
+
+
 def _samples(cap: Bundle, total: int) -> list[int]:
     """Per-sample lengths of the (packed) text sequence: from ``cu_seqlens`` when recorded, else from
     the text positions (1-D/2-D ids, or the first of 4 mRoPE rows) restarting, as transformers
