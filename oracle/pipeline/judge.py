@@ -315,15 +315,15 @@ class Judge:
         for c, n in zip(caps, self.names):
             if c.get("modules"):  # each module once in fp64, ``members`` times emulated, its device run
                 f = base["total_flops"] * (2 + self.members) / 4
-                est[f"local-{n}"] = {"seconds": f / base["gemm_flops_per_s"] / 0.3 + (1 + self.members) * eta.MEMBER_PROBES_OTHER * probe, "flops": f,
+                est[f"local-{n}"] = {"seconds": f / rates[compute["fp64"]] / 0.3 + (1 + self.members) * eta.MEMBER_PROBES_OTHER * probe, "flops": f,
                                      "memory": base["memory"]["peak_estimate"], "disk": grads}  # fmt: skip
                 est[f"local-score-{n}"] = {"seconds": 1, "flops": 0, "memory": 0, "disk": 0}
                 # explain: one module, 2 runs per op class (10 classes) + 2, in float64
-                est[f"explain-{n}"] = {"seconds": 22 * base["estimated_seconds"] / max(base["units"], 1) / 4,
+                est[f"explain-{n}"] = {"seconds": 22 * gemm_s(base) / max(base["units"], 1) / 4,
                                        "flops": 0, "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         if self.logs:
             est["logs"] = {
-                "seconds": base["estimated_seconds"] / 4,
+                "seconds": gemm_s(base) / 4,
                 "flops": 0,
                 "memory": base["memory"]["peak_estimate"],
                 "disk": 0,
