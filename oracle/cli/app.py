@@ -296,7 +296,7 @@ def import_log(
 @app.command()
 @user_errors
 def merge(
-    ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by oracle.integrations.megatron.hook.capture_rank, or folders of them.")],
+    ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by ORACLE_CAPTURE or capture_rank (oracle.integrations.megatron.hook), or folders of them.")],
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
     hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (ORACLE_CAPTURE records the run's own: needed only where none was recorded, msprobe imports and older hooks).")] = None,
@@ -340,7 +340,7 @@ def rank_view_cmd(
     tp: Annotated[int | None, typer.Option(min=1, help="Override the recorded tensor-parallel size.")] = None,
     sp: Annotated[bool | None, typer.Option("--sp/--no-sp", help="Override the recorded sequence parallel.")] = None,
     stage: Annotated[Stage | None, typer.Option(help="Override the recorded stage.")] = None,
-    per_token_loss: Annotated[bool | None, typer.Option("--per-token-loss/--no-per-token-loss", help="Override the recorded calculate_per_token_loss (pre-finalize grads are then of the loss SUM).")] = None,
+    per_token_loss: Annotated[bool | None, typer.Option("--per-token-loss/--no-per-token-loss", help="Override the recorded per-token loss flag of Megatron (with it the pre-finalize grads are of the loss SUM).")] = None,
     seq_len_padded: Annotated[int | None, typer.Option(help="Padded sequence length the run used (default: next multiple of TP).")] = None,
     compare: Annotated[list[Path] | None, typer.Option("--compare", help="Rank bundles of that rank to compare with the view.")] = None,
     logs: Annotated[list[Path] | None, typer.Option("--log", help="Gradient-norm logs printed on that rank: which is closer to the truth.")] = None,

@@ -137,6 +137,15 @@ def test_every_command_help_has_an_example_and_no_type_label_on_flags():
         assert "<bool>" not in out, (cmd, out)
 
 
+def test_no_help_text_is_cut_on_an_80_column_terminal():
+    """At 80 columns rich cuts a word longer than its help column with an ellipsis: no command's help text
+    (the right-hand column) may hold such a word (a module path or a Megatron flag name did)."""
+    for cmd in _commands():
+        out = CliRunner().invoke(app, [cmd, "--help"], terminal_width=80).stdout
+        cut = [ln for ln in out.splitlines() if ln.rstrip().endswith("… │")]
+        assert not cut, (cmd, cut)
+
+
 def test_judge_help_says_the_runs_may_be_left_out_and_merge_help_needs_no_hf_config_for_qwen3_vl():
     judge = " ".join(CliRunner().invoke(app, ["judge", "--help"], terminal_width=200).stdout.split())
     assert "Leave both out for the logs-only answer" in judge.replace("│", "").replace("  ", " ") or "may be left out" in judge
