@@ -12,10 +12,12 @@ and the op class (a scale: ``scaling``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import recipe as recipes
+from ..errors import OutputExists
 from ..capture.steps import capture_recipe_step
 from ..report.judge import render_answers
 from ..report.text import render
@@ -25,6 +27,21 @@ MODEL = "tiny-qwen3-vl"
 BUG_LAYER, BUG_SCALE = 1, 1.02
 BUG_MODULE = f"model.language_model.layers.{BUG_LAYER}.mlp"
 RUNS = (("cpu-amp-bf16", "amp-bf16"), ("cpu-fp32", "fp32"))
+PARTS = frozenset([f"capture-{prec}" for _, prec in RUNS] + ["judge"])  # all a demo folder holds
+
+
+def open_dir(out: Path) -> bool:
+    """``--dir`` new, empty or a previous demo's (True: its captures are replaced, its judge stages
+    reused where their inputs are the same); anything else is refused untouched (exit 6)."""
+    if os.path.lexists(out) and (out.is_symlink() or not out.is_dir()):
+        raise OutputExists(f"--dir {out} exists and is not a folder; choose another --dir (nothing was written)")
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    stray = sorted(names - PARTS)
+    if stray:
+        raise OutputExists(f"--dir {out} holds files that are not a demo's ({', '.join(stray[:3])}); "
+                           "nothing was written into it; choose a new or empty --dir")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    return bool(names)
 
 
 def plant_bug(model) -> None:
@@ -36,7 +53,8 @@ def plant_bug(model) -> None:
 
 def run_demo(out: str | Path, *, ensemble: int = 4, bug: bool = False, echo: Callable[[str], None] = print) -> str:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if open_dir(out):
+        echo(f"replacing the previous demo's captures in {out} (its judge stages are redone where their inputs changed)")
     r = recipes.for_model(MODEL)
     src = r.load(MODEL)
     sample = r.default_sample()

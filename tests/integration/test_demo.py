@@ -17,11 +17,22 @@ def _answer_block(out: str) -> list[str]:
     return lines[start:]
 
 
-def test_demo_bug_names_the_faulty_run_layer_direction_and_op_class(tmp_path):
-    """--bug: the answer (the output's last block) names cpu-fp32, decoder layer 1, the backward and scaling;
-    cpu-amp-bf16 stays honest noise."""
+def test_demo_then_demo_bug_in_the_same_folder_answers_honest_then_names_the_bug(tmp_path):
+    """README's two demos one after the other in one --dir: the first answers that both runs are honest; the
+    second says it replaces the first's captures and names cpu-fp32, decoder layer 1, the backward and
+    scaling (its judge redoes the stages whose inputs changed); cpu-amp-bf16 stays honest noise."""
+    res = CliRunner().invoke(app, ["demo", "--ensemble", "2", "--dir", str(tmp_path / "demo")])
+    assert res.exit_code == 0, res.output
+    block = _answer_block(res.stdout)
+    assert "1. Bug or honest noise (each run against the band of its own precision)?" in block
+    assert "faulty" not in block[0] or "no run is faulty" in block[0], block[0]
+    doc = json.loads((tmp_path / "demo" / "judge" / "report" / "judge.json").read_text())
+    assert doc["answers"]["noise"]["faulty"] == []
+    assert "replacing" not in res.stderr
+
     res = CliRunner().invoke(app, ["demo", "--bug", "--ensemble", "2", "--dir", str(tmp_path / "demo")])
     assert res.exit_code == 0, res.output
+    assert f"replacing the previous demo's captures in {tmp_path / 'demo'}" in res.stderr
     block = _answer_block(res.stdout)
     head = block[0]
     assert head.startswith("answer: cpu-fp32 is faulty (beyond its own noise band); born in model.language_model.layers.1."), head
@@ -34,12 +45,17 @@ def test_demo_bug_names_the_faulty_run_layer_direction_and_op_class(tmp_path):
     assert born["cpu-fp32"]["direction"] == "backward" and ".layers.1." in born["cpu-fp32"]["module"]
 
 
-def test_demo_without_a_bug_ends_with_the_answer_that_both_runs_are_honest(tmp_path):
-    """No bug: the last block is the four answers, both runs honest noise against their own bands."""
-    res = CliRunner().invoke(app, ["demo", "--ensemble", "2", "--dir", str(tmp_path / "demo")])
-    assert res.exit_code == 0, res.output
-    block = _answer_block(res.stdout)
-    assert "1. Bug or honest noise (each run against the band of its own precision)?" in block
-    assert "faulty" not in block[0] or "no run is faulty" in block[0], block[0]
-    doc = json.loads((tmp_path / "demo" / "judge" / "report" / "judge.json").read_text())
-    assert doc["answers"]["noise"]["faulty"] == []
+def test_a_dir_holding_anything_but_a_demo_is_refused_untouched(tmp_path):
+    """--dir with a file of the user's, or a file in its place: exit 6 naming it, nothing written or removed."""
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep")
+    res = CliRunner().invoke(app, ["demo", "--dir", str(d)])
+    assert res.exit_code == 6, res.output
+    assert "holds files that are not a demo's (notes.txt)" in res.output and "Traceback" not in res.output
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"] and (d / "notes.txt").read_text() == "keep"
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = CliRunner().invoke(app, ["demo", "--dir", str(f)])
+    assert res.exit_code == 6 and "is not a folder" in res.output, res.output
+    assert f.read_text() == "x"
