@@ -287,3 +287,36 @@ def test_a_bf16_main_grad_accumulation_over_96_micro_batches_is_found_in_the_wei
     _, _, reports = steps("910b", "bf16", faults="matmul_add_bf16", microbatches=96)
     assert all(r["fault_calls"]["matmul_add_bf16"] > 0 for r in reports), [r["fault_calls"] for r in reports]
     assert "Traceback" not in out
+
+
+def _tensor_hashes(rank_folder: Path) -> dict[str, dict[str, dict[str, str]]]:
+    from oracle.bundle.store import Bundle
+
+    return {r.name: {g: {n: e["value_sha256"] for n, e in es.items()} for g, es in Bundle(r).manifest["tensors"].items()}
+            for r in sorted(rank_folder.iterdir())}  # fmt: skip
+
+
+def test_the_two_paths_script_captures_the_steps_the_suite_judges(steps, tmp_path):
+    """docs/megatron-mindspeed.md's route for trying both paths on a CPU: `python tests/peers/two_paths.py OUT
+    --fault attention_cross_boundary@3` captures the packed bf16 step on the H20 path and on the 910B path with
+    layer 0's attention backward crossing a packed boundary, and prints the judge command. Every captured tensor
+    (weights, inputs, gradients, layer boundaries) of every rank is bitwise that of the steps this file judges
+    (the fault found at layer 0 above), so the printed command gives that answer. A folder in use or an unknown
+    fault is exit 2 before any step runs."""
+    import subprocess
+    import sys
+
+    script = ROOT / "tests" / "peers" / "two_paths.py"
+    fault = f"attention_cross_boundary@{LAYERS - 1}"
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "try"), "--fault", fault],
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    h20, npu = tmp_path / "try" / "h20" / "capture" / "pre", tmp_path / "try" / "910b" / "capture" / "pre"
+    assert p.stdout.rstrip().splitlines()[-1] == (f"oracle judge {h20} {npu} --recipe qwen3-vl --name H20 --name 910B "
+                                                  f"--out {tmp_path / 'try' / 'judge'}")  # fmt: skip
+    assert _tensor_hashes(h20) == _tensor_hashes(Path(steps("h20", "bf16")[1]) / "pre")
+    assert _tensor_hashes(npu) == _tensor_hashes(Path(steps("910b", "bf16", faults=fault)[1]) / "pre")
+    for args, said in (([str(tmp_path / "try")], "is not empty"), ([str(tmp_path / "new"), "--fault", "nonsense"], "unknown fault")):
+        q = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+        assert q.returncode == 2 and said in q.stderr and "Traceback" not in q.stderr, q.stderr
+    assert not (tmp_path / "new").exists()
