@@ -275,7 +275,9 @@ class Judge:
     def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
         """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
         this machine now (``eta.py``)."""
+        from ..replay.streaming.engine import rss_bytes
         from ..replay.streaming.plan import gemm_rates, plan
+        from ..score.scorer import memory_need as score_memory
 
         est: dict[str, dict[str, float]] = {}
         for (k, p), n in zip(self.inputs, self.names):
@@ -309,7 +311,7 @@ class Judge:
         est["score"] = {
             "seconds": 3 * grads / 500e6 + eta.SCORE_PROBES * probe,  # reading the truth, the captures, the bands; 0.5-3 s on the tiny model
             "flops": 0,
-            "memory": base["memory"].get("fixed", base["memory"].get("fixed_without_process", 0)),
+            "memory": rss_bytes() + score_memory(caps),  # one parameter at a time (scorer.memory_need)
             "disk": 0,
         }
         for c, n in zip(caps, self.names):

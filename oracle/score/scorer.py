@@ -52,6 +52,7 @@ from .. import recipe as recipes
 from ..bundle.manifest import missing_fields
 from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
+from .. import metrics
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .framework import finding as framework_finding
@@ -224,6 +225,20 @@ def score(
     }
     out["summary"] = _summary(out)
     return out
+
+
+def memory_need(caps: list[Bundle], band_itemsize: int = 4) -> int:
+    """Bytes ``score`` holds at once beyond the process (judge's estimate of its score stage): it scores
+    one parameter at a time, holding its truth (float64), one band member's gradient (``band_itemsize``,
+    float32 for the emulated members) and one capture's, and tensor_metrics' temporaries (six chunks of
+    float64 at most: the upcasts, d and one product); the largest parameter sets it."""
+    largest = 0
+    for c in caps:
+        for e in c.manifest["tensors"].get("grads", {}).values():
+            numel = math.prod(int(s) for s in e["shape"])
+            item = 2 if e["dtype"] in ("bfloat16", "float16") else 8 if e["dtype"] == "float64" else 4
+            largest = max(largest, numel * (8 + band_itemsize + item))
+    return largest + 6 * 8 * metrics.CHUNK
 
 
 def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
