@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import recipe as recipes
-from ..errors import OutputExists
 from ..capture.steps import capture_recipe_step
+from ..errors import OutputExists
 from ..report.judge import render_answers
 from ..report.text import render
 from .judge import Judge

@@ -275,6 +275,7 @@ class Judge:
     def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
         """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
         this machine now (``eta.py``)."""
+        from ..integrations.megatron.merge import memory_need as merge_memory
         from ..replay.streaming.engine import rss_bytes
         from ..replay.streaming.plan import gemm_rates, plan
         from ..score.scorer import memory_need as score_memory
@@ -283,7 +284,7 @@ class Judge:
         for (k, p), n in zip(self.inputs, self.names):
             if k == "ranks":
                 size = sum(f.stat().st_size for f in p.rglob("*.safetensors"))
-                est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": 2 * size, "disk": size}
+                est[f"merge-{n}"] = {"seconds": size / 200e6, "flops": 0, "memory": rss_bytes() + merge_memory([p]), "disk": size}
         cap, streamed = caps[replayable(caps)], self.budget is not None
         base = plan(cap, "fp64", streamed=streamed, budget=self.budget)  # pays the imports: not the probe
         precs = self.precisions(caps)

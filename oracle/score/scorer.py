@@ -48,11 +48,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .. import metrics
 from .. import recipe as recipes
 from ..bundle.manifest import missing_fields
 from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
-from .. import metrics
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .framework import finding as framework_finding

@@ -44,8 +44,9 @@ Config: written from the run (hfconfig.py; for qwen3-vl the HF config the run's 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -295,34 +296,18 @@ def _merge(mname: str, group: str, kind: str, shards: list[torch.Tensor], heads:
         raise BundleError(f"{group}/{mname} ({kind}, shards {[tuple(t.shape) for t in shards]}): {e}") from None
 
 
-def _tie_embeddings(weights: dict, grads: dict, mapping: dict, stage: str, pp: int, warnings: list[str]) -> None:
+def _tied(mapping: dict, pp: int) -> tuple[str, str] | None:
     """PP > 1 with tied embeddings: the last stage holds its own copy of stage 0's embedding as
     ``output_layer.weight``; finalize_model_grads (``_allreduce_word_embedding_grads``) sums the two
     copies' gradients over the embedding group. The HF model has one tied parameter: its gradient is
     stage 0's embedding gradient + the last stage's output-layer gradient before finalize (summed in
-    float64), either copy after it (both hold the sum). The two copies' weights must be equal."""
+    float64), either copy after it (both hold the sum); the two copies' weights must be equal.
+    -> (the embedding's mcore name, the output layer's), or None where there is no such pair."""
     emb = next((g for g, m in mapping.items() if m["pp_rank"] == 0 and g.endswith("embedding.word_embeddings.weight")), None)
     out = next((g for g, m in mapping.items() if m["pp_rank"] == pp - 1 and g.endswith("output_layer.weight")), None)
-    if emb is None or out is None:
-        return
-    e, o = mapping[emb]["hf"][0], mapping[out]["hf"][0]
-    if e == o:
-        return
-    if not torch.equal(weights[e], weights[o]):
-        raise MismatchError(f"{emb} (stage 0) and {out} (stage {pp - 1}) are one tied parameter but hold different "
-                            "weights: the ranks are not one run, or the embedding group was not synchronised")  # fmt: skip
-    if e in grads and o in grads:
-        ge, go = grads[e], grads.pop(o)
-        if stage == "pre-finalize":
-            grads[e] = (ge.double() + go.double()).to(ge.dtype)  # finalize's embedding all-reduce, in float64
-        elif float((go.double() - ge.double()).norm()) > POST_AGREEMENT * max(float(ge.double().norm()), 1e-30):
-            warnings.append(
-                f"{out}: the tied output layer's gradient differs from stage 0's embedding after finalize; stage 0's is used"
-            )
-    else:
-        grads.pop(o, None)
-    del weights[o]
-    mapping[out] = {**mapping[out], "hf": [e], "tied_to": emb}
+    if emb is None or out is None or mapping[emb]["hf"][0] == mapping[out]["hf"][0]:
+        return None
+    return emb, out
 
 
 def _labels(chosen: dict, inputs: dict[str, torch.Tensor], given: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -373,12 +358,10 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
     heads.check(tp)
     gated = run.get("gated_linear_unit", True)
     d0 = info["dps"][0]
-    weights: dict[str, torch.Tensor] = {}
-    grads: dict[str, torch.Tensor] = {}
+    # What every parameter is, from the manifests alone (no tensor read): the merge then streams them.
+    params: list[_Param] = []
     mapping: dict[str, dict[str, Any]] = {}
-    warnings: list[str] = []
-    unreduced: list[dict[str, Any]] = []
-    framework: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for p in range(pp):
         ranks = [chosen[d0, p, t] for t in range(tp)]
         stage_meta = ranks[0].manifest["megatron"]
@@ -389,79 +372,56 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
             kind = kind_of(local, {**layout, "gated": gated})
             gname = _global_name(local, offset)
             hf = names.to_hf(gname)
-            per_rank_w = [b.load("weights", mname) for b in ranks]
-            shapes = {tuple(t.shape) for t in per_rank_w}
+            shapes = {tuple(b.entry("weights", mname)["shape"]) for b in ranks}
             if len(shapes) > 1:
                 raise BundleError(
                     f"{mname}: TP shards have different shapes {sorted(shapes)}; the rank captures do not fit together"
                 )
-            dim = max(layout.get("partition_dim", 0), 0)
-            partial = partial_sum(local, tp=tp, marked=bool(layout.get("sequence_parallel", False)))
-            merged_w = _merge(mname, "weights", kind, per_rank_w, heads, dim)
-            if kind in ("norm", "copy", "replica") and any(not torch.equal(per_rank_w[0], t) for t in per_rank_w[1:]):
-                warnings.append(f"{mname}: replicated weight differs across TP ranks; rank 0's copy is used")
-            if ranks[0].has("grads", mname):
-                per_rank_g = [b.load("grads", mname) for b in ranks]
-                if kind in ("norm", "copy", "replica") and not partial:
-                    kept, finding = reduce_replicas(mname, hf[0], per_rank_g, stage)
-                    merged_g = (kept,)
-                    if finding is not None:
-                        unreduced.append(finding)
-                        framework.update({f"{hf[0]}|tp{r}": g for r, g in enumerate(per_rank_g)})
-                elif kind in ("norm", "copy"):
-                    if stage == "pre-finalize" and partial:
-                        merged_g = (torch.stack([g.double() for g in per_rank_g]).sum(0).to(per_rank_g[0].dtype),)
-                    else:
-                        merged_g = (per_rank_g[0],)
-                        ref = per_rank_g[0].double()
-                        for r, g in enumerate(per_rank_g[1:], 1):
-                            if float((g.double() - ref).norm()) > POST_AGREEMENT * max(float(ref.norm()), 1e-30):
-                                warnings.append(
-                                    f"{mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used"
-                                )
-                else:
-                    merged_g = _merge(mname, "grads", kind, per_rank_g, heads, dim)
-                for n, t in zip(hf, merged_g):
-                    grads[n] = t
-            for n, t in zip(hf, merged_w):
-                if n in weights:
+            for n in hf:
+                if n in seen:
                     raise BundleError(f"{n} comes from two mcore parameters (the second is {mname} of stage {p}); "
                                       "the stages' layer offsets overlap")  # fmt: skip
-                weights[n] = t
-            mapping[gname] = {
-                "hf": hf,
-                "kind": kind,
-                "partial_before_finalize": partial,
-                "dim": dim,
-                "pp_rank": p,
-                "local": mname,
-            }
-    if pp > 1 and run.get("share_embeddings_and_output_weights"):
-        _tie_embeddings(weights, grads, mapping, stage, pp, warnings)
-    vocab_rows = {int(weights[m["hf"][0]].shape[0]) for m in mapping.values() if m["kind"] == "vocab"}
-    padded = vocab_rows.pop() if len(vocab_rows) == 1 else run.get("vocab_size")
-    config, given_true = with_padded_vocab(config, recipe, padded)
-    true_vocab = true_vocab or given_true
+                seen.add(n)
+            dim = max(layout.get("partition_dim", 0), 0)
+            partial = partial_sum(local, tp=tp, marked=bool(layout.get("sequence_parallel", False)))
+            params.append(_Param(mname, gname, tuple(hf), kind, dim, partial, ranks))
+            mapping[gname] = {"hf": hf, "kind": kind, "partial_before_finalize": partial, "dim": dim, "pp_rank": p, "local": mname}
+    tie = _tied(mapping, pp) if pp > 1 and run.get("share_embeddings_and_output_weights") else None
     inputs, packing = packed_inputs(_inputs(chosen, info))
     inputs, labels = _labels(chosen, inputs, labels_shift)
     loss = _loss(chosen, info)
     tokens = inputs.get("tokens", inputs.get("input_ids"))
     seq = int(tokens.shape[-1]) if tokens is not None else int(run.get("seq_length") or 0)
     n_mb = len(meta.get("microbatches") or []) or 1
-    if n_mb > 1:  # each micro-batch's call met the recorded modules; their boundaries are of one of them
-        modules, module_groups = {}, {}
-        recorded = sorted(chosen[d0, 0, 0].manifest.get("modules") or {})
-        boundaries = {"mapped": {}, "unmapped": [{"module": n, "why": f"a step of {n_mb} micro-batches: module boundaries "
-                      "are mapped for one micro-batch only (capture with one for local replay)"} for n in recorded]} if recorded else {}  # fmt: skip
-    else:
-        modules, module_groups, boundaries = merge_boundaries(chosen, info, rec, inputs, bool(run.get("sequence_parallel")), seq)
-    if boundaries.get("unmapped"):
-        u = boundaries["unmapped"]
-        warnings.append(f"{len(u)} recorded module(s) not mapped for local replay, e.g. {u[0]['module']}: {u[0]['why']}")
-    if unreduced:
-        warnings.append(finding_text(unreduced))
-    rank_vocab = meta.get("vocab") or {}
+    warnings: list[str] = []
+    unreduced: list[dict[str, Any]] = []
+    rows: dict[str, int] = {}  # merged vocab-parallel weights' rows: the padded vocabulary
     with BundleWriter(out, "capture", overwrite=overwrite) as w:
+        # One parameter at a time (shards in, merged out, a shard file of at most STREAM_BYTES held):
+        # the whole merged model in memory was 48 GiB at Qwen3-VL-8B (bf16 weights, fp32 gradients).
+        w.add_stream("weights", _weights(params, heads, tie, rows, warnings), max_bytes=STREAM_BYTES)
+        if tie:
+            e, o = (mapping[g]["hf"][0] for g in tie)
+            mapping[tie[1]] = {**mapping[tie[1]], "hf": [e], "tied_to": tie[0]}
+        framework = _Sink(w, "framework_grads")
+        w.add_stream("grads", _grads(params, heads, tie, stage, warnings, unreduced, framework), max_bytes=STREAM_BYTES)
+        if n_mb > 1:  # each micro-batch's call met the recorded modules; their boundaries are of one of them
+            modules = {}
+            recorded = sorted(chosen[d0, 0, 0].manifest.get("modules") or {})
+            boundaries = {"mapped": {}, "unmapped": [{"module": n, "why": f"a step of {n_mb} micro-batches: module boundaries "
+                          "are mapped for one micro-batch only (capture with one for local replay)"} for n in recorded]} if recorded else {}  # fmt: skip
+        else:
+            modules, boundaries = merge_boundaries(chosen, info, rec, inputs, bool(run.get("sequence_parallel")), seq, sink=w.add)
+        vocab_rows = {rows[m["hf"][0]] for m in mapping.values() if m["kind"] == "vocab" and m["hf"][0] in rows}
+        padded = vocab_rows.pop() if len(vocab_rows) == 1 else run.get("vocab_size")
+        config, given_true = with_padded_vocab(config, recipe, padded)
+        true_vocab = true_vocab or given_true
+        if boundaries.get("unmapped"):
+            u = boundaries["unmapped"]
+            warnings.append(f"{len(u)} recorded module(s) not mapped for local replay, e.g. {u[0]['module']}: {u[0]['why']}")
+        if unreduced:
+            warnings.append(finding_text(unreduced))
+        rank_vocab = meta.get("vocab") or {}
         w.manifest.update(
             recipe={"name": recipe, "config": config}, precision=chosen[d0, 0, 0].get("precision"),
             device=chosen[d0, 0, 0].get("device"), versions=chosen[d0, 0, 0].get("versions"), loss=loss, seed=None,
@@ -479,12 +439,135 @@ def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_con
                       "run_id": meta.get("run_id")},
         )  # fmt: skip
         w.add("inputs", inputs)
-        w.add("weights", weights)
-        w.add("grads", grads)
-        if framework:
-            w.add("framework_grads", framework)
         if modules:
             w.manifest["modules"] = modules
-            for g, tensors in module_groups.items():
-                w.add(g, tensors)
     return Path(out)
+
+
+STREAM_BYTES = 256 << 20  # a merged group's shard file: what merge holds of it before writing
+
+
+def memory_need(paths: list[str | Path]) -> int:
+    """Bytes merge holds at once beyond the process, from the rank manifests alone (judge's estimate of a
+    merge stage): one parameter's TP shards and the tensor merged from them (the largest parameter sets it),
+    the shard file being written and safetensors' copy of it (2 x ``STREAM_BYTES``), and one module's
+    boundaries, its ranks' rows and their concatenation (the largest module sets it)."""
+    bundles = rank_bundles(paths)
+    tp = max(int(b.manifest["megatron"]["coords"]["tp_size"]) for b in bundles)
+    param = module = 0
+    for b in bundles:
+        tensors = b.manifest["tensors"]
+        for group in ("weights", "grads"):
+            for e in tensors.get(group, {}).values():
+                param = max(param, 2 * tp * _nbytes(e))
+        for group, es in tensors.items():
+            if group.startswith("mod."):
+                module = max(module, 2 * tp * sum(_nbytes(e) for e in es.values()))
+    return param + 2 * STREAM_BYTES + module
+
+
+def _nbytes(e: dict[str, Any]) -> int:
+    n = 1
+    for d in e["shape"]:
+        n *= int(d)
+    return n * torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
+
+
+class _Param(NamedTuple):
+    mname: str  # the ranks' (mcore, wrapped) name
+    gname: str  # global mcore name (the stage's layer offset applied)
+    hf: tuple[str, ...]  # the HF name(s) it merges into (a fused QKV / gate-up splits)
+    kind: str
+    dim: int
+    partial: bool  # a pre-finalize partial sum over TP ranks
+    ranks: list  # its stage's TP rank bundles
+
+
+class _Sink:
+    """A group written one file per call, for a group that comes while another streams (framework_grads)."""
+
+    def __init__(self, w: BundleWriter, group: str):
+        self.w, self.group, self.k = w, group, 0
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.k += 1
+        self.w.add(self.group, tensors, shard=self.k)
+
+
+def _weights(params: list[_Param], heads: Heads, tie: tuple[str, str] | None, rows: dict[str, int],
+             warnings: list[str]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Merged weights under HF names, one parameter at a time; the tied output layer's copy is checked
+    against the embedding's and not written."""
+    kept = None  # the tied embedding's merged weight, until the output layer's copy is compared with it
+    for prm in params:
+        per_rank = [b.load("weights", prm.mname) for b in prm.ranks]
+        merged = _merge(prm.mname, "weights", prm.kind, per_rank, heads, prm.dim)
+        if prm.kind in ("norm", "copy", "replica") and any(not torch.equal(per_rank[0], t) for t in per_rank[1:]):
+            warnings.append(f"{prm.mname}: replicated weight differs across TP ranks; rank 0's copy is used")
+        del per_rank
+        if tie and prm.gname == tie[0]:
+            kept = merged[0]
+        if tie and prm.gname == tie[1]:
+            if kept is None or not torch.equal(kept, merged[0]):
+                raise MismatchError(f"{tie[0]} (stage 0) and {tie[1]} (the last stage) are one tied parameter but hold "
+                                    "different weights: the ranks are not one run, or the embedding group was not "
+                                    "synchronised")  # fmt: skip
+            kept = None
+            continue
+        for n, t in zip(prm.hf, merged):
+            rows[n] = int(t.shape[0]) if t.dim() else 0
+            yield n, t
+
+
+def _grads(params: list[_Param], heads: Heads, tie: tuple[str, str] | None, stage: str, warnings: list[str],
+           unreduced: list[dict[str, Any]], framework: _Sink) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Merged gradients under HF names, one parameter at a time: TP shards per layout, pre-finalize partial
+    sums summed in float64, replicas checked (replicas.py: copies the framework never reduced go to
+    ``framework``, one file per parameter); the tied output layer's gradient joins the embedding's."""
+    by_name = {prm.gname: prm for prm in params}
+    for prm in params:
+        if tie and prm.gname == tie[1]:
+            continue  # joined to the embedding's, below
+        g = _grad(prm, heads, stage, warnings, unreduced, framework)
+        if tie and prm.gname == tie[0]:
+            g = _join_tied(g, by_name[tie[1]], heads, stage, warnings, unreduced, framework, tie)
+        if g is None:
+            continue
+        yield from zip(prm.hf, g)
+
+
+def _grad(prm: _Param, heads: Heads, stage: str, warnings: list[str], unreduced: list[dict[str, Any]],
+          framework: _Sink) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+    if not prm.ranks[0].has("grads", prm.mname):
+        return None
+    per_rank = [b.load("grads", prm.mname) for b in prm.ranks]
+    if prm.kind in ("norm", "copy", "replica") and not prm.partial:
+        kept, finding = reduce_replicas(prm.mname, prm.hf[0], per_rank, stage)
+        if finding is not None:
+            unreduced.append(finding)
+            framework({f"{prm.hf[0]}|tp{r}": g for r, g in enumerate(per_rank)})
+        return (kept,)
+    if prm.kind in ("norm", "copy"):
+        if stage == "pre-finalize" and prm.partial:
+            return (torch.stack([g.double() for g in per_rank]).sum(0).to(per_rank[0].dtype),)
+        ref = per_rank[0].double()
+        for r, g in enumerate(per_rank[1:], 1):
+            if float((g.double() - ref).norm()) > POST_AGREEMENT * max(float(ref.norm()), 1e-30):
+                warnings.append(f"{prm.mname}: TP rank {r}'s gradient differs from rank 0's ({stage}); rank 0's copy is used")
+        return (per_rank[0],)
+    return _merge(prm.mname, "grads", prm.kind, per_rank, heads, prm.dim)
+
+
+def _join_tied(ge: tuple[torch.Tensor, ...] | None, out: _Param, heads: Heads, stage: str, warnings: list[str],
+               unreduced: list[dict[str, Any]], framework: _Sink, tie: tuple[str, str]) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+    """The tied parameter's gradient (``_tied``): before finalize the two copies' sum in float64; after it
+    stage 0's, the output layer's checked against it. An embedding without a gradient keeps none."""
+    go = _grad(out, heads, stage, warnings, unreduced, framework)
+    if ge is None or go is None:
+        return ge
+    e, o = ge[0], go[0]
+    if stage == "pre-finalize":
+        return ((e.double() + o.double()).to(e.dtype),)  # finalize's embedding all-reduce, in float64
+    if float((o.double() - e.double()).norm()) > POST_AGREEMENT * max(float(e.double().norm()), 1e-30):
+        warnings.append(f"{tie[1]}: the tied output layer's gradient differs from stage 0's embedding after finalize; stage 0's is used")
+    return ge
