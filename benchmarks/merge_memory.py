@@ -90,8 +90,9 @@ def main() -> int:
         print(f"  {name:<12} peak above the start {extra / 2**20:7.0f} MiB = {extra / total:4.2f}x the tensors")
     print(f"  judge's estimate of the streamed merge (merge.memory_need, from the manifests): "
           f"{need / 2**20:.0f} MiB = {need / max(res['streamed'], 1):.2f}x the streamed peak")
-    print(f"  streamed / one shard per group: {res['streamed'] / res['one shard']:.2f}x (a shard file holds at most "
-          "256 MiB: merge.STREAM_BYTES; before streaming merge held weights and gradients at once: 1x the tensors)")
+    print(f"  streamed / one shard per group: {res['streamed'] / res['one shard']:.2f}x (a shard file closes at the "
+          "first tensor that takes it to 256 MiB, merge.STREAM_BYTES; before streaming merge held weights and "
+          "gradients at once: 1x the tensors)")
     return 0
 
 

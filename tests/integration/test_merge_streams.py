@@ -61,6 +61,6 @@ def test_merge_holds_one_parameter_at_a_time_and_writes_the_same_bundle(tmp_path
     assert 0 < peak[0] <= largest, (peak[0], largest)
     assert held[0] == 0
     # judge's estimate of a merge stage (merge.memory_need, from the manifests) bounds what was held
-    assert peak[0] <= merge.memory_need([pre]) - 2 * merge.STREAM_BYTES <= 2 * largest
+    assert peak[0] <= merge.memory_need([pre]) - 2 * merge.STREAM_BYTES - 2 * largest <= 2 * largest
     assert _values(streamed) == _values(whole) and len(_values(whole)["grads"]) == 3
     assert len({e["file"] for e in streamed.manifest["tensors"]["weights"].values()}) == 3  # one file per tensor
