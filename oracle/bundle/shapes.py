@@ -16,6 +16,24 @@ from ..errors import BundleError, OracleError, RecipeError, problem_lines
 from ..recipe import Recipe
 
 
+def entry_numel(e: Mapping[str, Any]) -> int:
+    """Elements of a manifest tensor entry (its ``shape``), no tensor read."""
+    n = 1
+    for d in e["shape"]:
+        n *= int(d)
+    return n
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a manifest dtype name (``float32``, ``bfloat16``, ``int64``, ...)."""
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def entry_nbytes(e: Mapping[str, Any]) -> int:
+    """Stored bytes of a manifest tensor entry, from its shape and dtype."""
+    return entry_numel(e) * itemsize(e["dtype"])
+
+
 def stored_shapes(bundle) -> tuple[dict[str, list[int]], str]:
     """A bundle's weight shapes from its manifest (no tensor read), for ``build_model(shapes=...)``."""
     return {n: e["shape"] for n, e in bundle.manifest["tensors"].get("weights", {}).items()}, str(bundle.path)

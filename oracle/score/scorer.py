@@ -51,6 +51,7 @@ from typing import Any
 from .. import metrics
 from .. import recipe as recipes
 from ..bundle.manifest import missing_fields
+from ..bundle.shapes import entry_nbytes, entry_numel
 from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale, tensor_metrics
@@ -235,9 +236,7 @@ def memory_need(caps: list[Bundle], band_itemsize: int = 4) -> int:
     largest = 0
     for c in caps:
         for e in c.manifest["tensors"].get("grads", {}).values():
-            numel = math.prod(int(s) for s in e["shape"])
-            item = 2 if e["dtype"] in ("bfloat16", "float16") else 8 if e["dtype"] == "float64" else 4
-            largest = max(largest, numel * (8 + band_itemsize + item))
+            largest = max(largest, entry_numel(e) * (8 + band_itemsize) + entry_nbytes(e))
     return largest + 6 * 8 * metrics.CHUNK
 
 

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ... import recipe as recipes
+from ...bundle.shapes import entry_nbytes
 from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, MismatchError, UsageError
 from . import microbatches
@@ -463,19 +464,12 @@ def memory_need(paths: list[str | Path]) -> int:
         tensors = b.manifest["tensors"]
         for group in ("weights", "grads"):
             for e in tensors.get(group, {}).values():
-                shard = max(shard, _nbytes(e))
+                shard = max(shard, entry_nbytes(e))
         for group, es in tensors.items():
             if group.startswith("mod."):
-                module = max(module, 2 * tp * sum(_nbytes(e) for e in es.values()))
+                module = max(module, 2 * tp * sum(entry_nbytes(e) for e in es.values()))
     merged = tp * shard  # the largest parameter, whole
     return 2 * merged + 2 * (STREAM_BYTES + merged) + module
-
-
-def _nbytes(e: dict[str, Any]) -> int:
-    n = 1
-    for d in e["shape"]:
-        n *= int(d)
-    return n * torch.empty((), dtype=getattr(torch, e["dtype"])).element_size()
 
 
 class _Param(NamedTuple):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ... import precision as precisions
+from ...bundle.shapes import entry_numel, itemsize
 from ...bundle.store import Bundle
 from ...capture.packing import check_boundaries
 from ...parallel.token_parallel import Layout
@@ -131,7 +132,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     units = need["units"]
     T_rank = T if ranks == 1 else max(Layout(T, ranks, 0).counts)  # the largest rank's rows
     bounds = boundaries(model, units, cap.manifest["recipe"]["config"], T_rank, patches, size)
-    inputs_bytes = sum(_numel(e) * (size if e["dtype"].startswith(("float", "bfloat")) else _itemsize(e["dtype"]))
+    inputs_bytes = sum(entry_numel(e) * (size if e["dtype"].startswith(("float", "bfloat")) else itemsize(e["dtype"]))
                        for e in tensors.values())  # fmt: skip
     process = _base_rss() + need["resident"] + inputs_bytes  # the run measures this as its resident set
     fixed = process + need["bytes"]
@@ -240,17 +241,6 @@ def disk_held(model: torch.nn.Module, units: list[str], per_unit: list[tuple[int
         peak = max(peak, disk)
     rest = sum(p.numel() for p in model.parameters() if id(p) not in in_units and p is not getattr(head, "weight", None))
     return max(peak, disk + rest * size)
-
-
-def _numel(e: dict) -> int:
-    n = 1
-    for s in e["shape"]:
-        n *= int(s)
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _base_rss() -> int:
