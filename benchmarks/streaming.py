@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+VL8B_CONFIG = Path(__file__).resolve().parent / "qwen3-vl-8b-config.json"  # Qwen3-VL-8B-Instruct's published config.json
 sys.path.insert(0, str(ROOT))
 
 from oracle.bundle.store import Bundle, BundleWriter  # noqa: E402
@@ -187,8 +188,8 @@ def bench_b(d: Path, tokens: int) -> None:
 
 
 def vl8b_config(layers: int) -> dict:
-    cfg = json.loads((ROOT.parent / "shared" / "reference" / "qwen3-vl-8b-config.json").read_text())
-    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "transformers_version")}
+    cfg = json.loads(VL8B_CONFIG.read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "transformers_version") and not k.startswith("_")}
     cfg["text_config"] = {**cfg["text_config"], "num_hidden_layers": layers}
     return cfg
 

@@ -17,10 +17,14 @@ from typing import Annotated
 
 try:
     import typer
-except ImportError:  # the capture-only install (training environment): no CLI there; exit 2, a usage error
+except ImportError:  # the capture-only install (training environment): no CLI there but the doctor; else exit 2
+    if sys.argv[1:2] == ["doctor"]:  # `oracle doctor` as the README's Commands table says: the same check, no typer needed
+        from oracle.integrations.megatron.doctor import main as _doctor_main
+
+        sys.exit(_doctor_main(sys.argv[2:], prog="oracle doctor"))
     print(
         "oracle: this environment has the capture side only (oracle.Capture, the Megatron hook, ORACLE_CAPTURE); "
-        'the command line runs on the CPU host: pip install "oracle-fp64[host]"',
+        'the command line runs on the CPU host: pip install "oracle-fp64[host]"; here, `oracle doctor` runs',
         file=sys.stderr,
     )
     sys.exit(2)
@@ -443,19 +447,21 @@ _DH = _doctor.OPTION_HELP
 @user_errors
 def doctor(
     dir: Annotated[str | None, typer.Argument(metavar="DIR", help=_doctor.ARGUMENT_HELP)] = None,
-    hf_config: Annotated[Path | None, typer.Option(help=_DH["hf_config"])] = None,
+    hf_config: Annotated[str | None, typer.Option(metavar="PATH", help=_DH["hf_config"])] = None,
     tp: Annotated[int, typer.Option(min=1, help=_DH["tp"])] = 1,
     pp: Annotated[int, typer.Option(min=1, help=_DH["pp"])] = 1,
     tokens: Annotated[int, typer.Option(min=1, help=_DH["tokens"])] = 4096,
     no_sp: Annotated[bool, typer.Option("--no-sp", help=_DH["no_sp"])] = False,
     images: Annotated[int, typer.Option(min=0, help=_DH["images"])] = 4,
     image_side: Annotated[int, typer.Option(min=1, help=_DH["image_side"])] = 448,
+    ranks: Annotated[int, typer.Option(min=1, help=_DH["ranks"])] = 8,
 ) -> None:  # fmt: skip
     from oracle.integrations.megatron.doctor import diagnose
 
-    layout = {"tp": tp, "pp": pp, "tokens": tokens, "sequence_parallel": not no_sp, "images": images, "image_side": image_side}
+    layout = {"tp": tp, "pp": pp, "tokens": tokens, "sequence_parallel": not no_sp, "images": images, "image_side": image_side,
+              "ranks": ranks}  # fmt: skip
     try:
-        code, text = diagnose(dir, hf_config=str(hf_config) if hf_config else None, layout=layout)
+        code, text = diagnose(dir, hf_config=hf_config, layout=layout)
     except ValueError as e:
         raise UsageError(str(e)) from None
     typer.echo(text)

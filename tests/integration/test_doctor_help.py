@@ -35,3 +35,21 @@ def test_both_doctor_helps_list_the_same_options_help_texts_and_examples(tmp_pat
             assert "[DIR]" in plain and "[DIR]" in typer_help and _flat(p.help) in plain
     for cmd_line in ("ORACLE_CAPTURE=/shared/h20-step {} doctor", "{} doctor /shared/h20-step --hf-config config.json --tp 8 --tokens 65536"):
         assert cmd_line.format("oracle") in typer_help and cmd_line.format("python -m oracle") in plain, (typer_help, plain)
+
+
+def test_the_console_script_runs_doctor_where_typer_is_missing(tmp_path):
+    """`oracle doctor` (the console script's entry, oracle.cli.app:main) in an environment without typer, as the
+    training environment is: the doctor runs under its own name (exit 0 for --help, 2 for a bad value); any other
+    command says the command line needs the host install (exit 2) and that `oracle doctor` runs here."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    entry = "import sys; sys.modules['typer'] = None; sys.argv = ['oracle', *sys.argv[1:]]; from oracle.cli.app import main; main()"
+
+    def oracle(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", entry, *argv], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    r = oracle("doctor", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("Usage: oracle doctor [OPTIONS] [DIR]\n"), r.stdout + r.stderr
+    r = oracle("doctor", "--tp", "eight")
+    assert r.returncode == 2 and "Try 'oracle doctor --help' for help." in r.stderr and "Traceback" not in r.stderr
+    r = oracle("judge", "--help")
+    assert r.returncode == 2 and 'pip install "oracle-fp64[host]"; here, `oracle doctor` runs' in r.stderr, r.stderr

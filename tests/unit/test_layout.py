@@ -192,6 +192,18 @@ def test_benchmarks_and_the_code_they_run_in_children_import_what_exists():
     assert not missing, missing
 
 
+def test_benchmarks_read_only_what_a_fresh_clone_holds():
+    """No benchmark reads a file outside the repository (benchmarks/user_step.py judge read its 8B config from
+    a folder beside the checkout: a traceback in a fresh clone); the 8B config it ships is Qwen3-VL-8B's."""
+    import json
+
+    outside = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if "ROOT.parent" in p.read_text()]
+    assert not outside, outside
+    cfg = json.loads((ROOT / "benchmarks" / "qwen3-vl-8b-config.json").read_text())
+    text = cfg["text_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (4096, 36, 151936), text
+
+
 def _argv_reads(tree: ast.AST) -> list[int]:
     """Lines reading sys.argv / sys.orig_argv outside an ``if __name__ == "__main__":`` block."""
     guarded: set[int] = set()

@@ -22,7 +22,6 @@ stop the capture, each problem said with its fix.
 from __future__ import annotations
 
 import difflib
-import errno
 import importlib.metadata
 import importlib.util
 import json
@@ -31,9 +30,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import config_source
 from .autocapture import PTH_LINE, PTH_NAME
 
 NOT_READY = 12
@@ -85,38 +86,45 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def _existing(folder: str) -> Path:
-    p = Path(folder).expanduser().absolute()
+def _existing(p: Path) -> Path:
     while not p.exists() and p != p.parent:
         p = p.parent
     return p
 
 
-def check_folder(folder: str) -> tuple[bool, str]:
-    """Can ``folder`` be created and written? Leaves nothing behind that was not there."""
+def check_folder(folder: str) -> tuple[str | None, str, str | None]:
+    """Can ``folder`` be created and written? ``(problem or None, the report's line, a note for the
+    answer or None)``. Leaves nothing behind that was not there: the probe file is created exclusively
+    under a random name (never a user's file), a folder the check made is removed again."""
     p = Path(folder).expanduser().absolute()
-    existing = p
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    created = []
+    created: list[Path] = []
     try:
+        existing = _existing(p)
+        if existing not in (p, p.parent):
+            return (f"{p}: neither it nor its parent {p.parent} exists (a typo?): correct the path, or make the folder "
+                    f"first (mkdir -p {p}) on a disk every rank writes to", "NOT there, nor its parent", None)  # fmt: skip
         for d in reversed([p, *p.parents]):
             if not d.exists():
                 d.mkdir()
                 created.append(d)
-        probe = p / f".oracle-doctor-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".oracle-doctor-probe-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+        free = shutil.disk_usage(existing).free / 2**30
     except OSError as e:
-        return False, f"{p}: cannot be written ({e.strerror or e}); give a folder every rank can write, on a disk with room"
+        return (f"{p}: cannot be written ({e.strerror or e}); give a folder every rank can write, on a disk with room",
+                "NOT writable", None)  # fmt: skip
     finally:
         for d in reversed(created):
             try:
                 d.rmdir()
             except OSError:
                 pass
-    free = shutil.disk_usage(existing).free / 2**30
-    return True, f"{p}: writable, {free:.1f} GiB free; each rank writes {p}/pre/rankNNNNN and {p}/post/rankNNNNN"
+    line = f"{p}: writable, {free:.1f} GiB free; each rank writes {p}/pre/rankNNNNN and {p}/post/rankNNNNN"
+    if created:
+        return None, line.replace("writable", f"does not exist yet (the first rank makes it; {p.parent} is writable)", 1), \
+            f"{p} does not exist yet: the first rank makes it; if that is not the folder you meant, correct the path"
+    return None, line, None
 
 
 def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[list[str], int]:
@@ -124,45 +132,66 @@ def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[l
     one rank writes (pre + post, with the layers' boundaries where ``modules``)."""
     from . import capture_size
 
+    sizes = {k: v for k, v in layout.items() if k != "ranks"}
     try:
         with open(hf_config) as f:
             config = json.load(f)
-        s = capture_size.per_rank(config, **layout)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--hf-config {hf_config}: cannot size the capture from it ({type(e).__name__}: {e})") from None
-    return [capture_size.render(s, **layout)], s["rank_with_layers" if modules else "rank"]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hf-config {hf_config}: cannot read it as a config.json ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--hf-config {hf_config}: holds a JSON {type(config).__name__}, not a config object; give the "
+                         "model's config.json (one JSON object)")  # fmt: skip
+    try:
+        s = capture_size.per_rank(config, **sizes)
+        text = capture_size.render(s, **sizes)
+    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise ValueError(f"--hf-config {hf_config}: cannot size the capture from it ({type(e).__name__}: {e}); give "
+                         "the model's Hugging Face config.json") from None  # fmt: skip
+    return [text], s["rank_with_layers" if modules else "rank"]
 
 
-LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4, "image_side": 448}
-LAYOUT_MIN = {"tp": 1, "pp": 1, "tokens": 1, "images": 0, "image_side": 1}
+LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4, "image_side": 448, "ranks": 8}
+LAYOUT_MIN = {"tp": 1, "pp": 1, "tokens": 1, "images": 0, "image_side": 1, "ranks": 1}
+# beyond any real run (a 1G-token micro-batch, a million ranks): a larger value is a typo, refused before any arithmetic
+LAYOUT_MAX = {"tp": 1 << 20, "pp": 1 << 20, "tokens": 1 << 30, "images": 1 << 20, "image_side": 1 << 16, "ranks": 1 << 20}
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)" if isinstance(v, int) else f"{text[:12]}..."
 
 
 def check_layout(hf_config: str | None, layout: dict[str, Any] | None) -> dict[str, Any]:
-    """The size options, validated once for both entry points (typer's and argparse's): whole numbers at
-    their minimum or above (a TP of 0 divides by zero, a negative one prints negative sizes), given only
-    with --hf-config (they size the capture; alone they would be ignored), the config a file that exists."""
+    """The size options, validated once for both entry points (typer's and argparse's): whole numbers
+    within their range (a TP of 0 divides by zero, a negative one prints negative sizes, a 400-digit one
+    overflows), given only with --hf-config (they size the capture; alone they would be ignored)."""
     lay = {**LAYOUT_DEFAULTS, **(layout or {})}
     for k, lo in LAYOUT_MIN.items():
-        v = lay[k]
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"--{k.replace('_', '-')} {v!r}: expected a whole number >= {lo}")
+        v, hi = lay[k], LAYOUT_MAX[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"--{k.replace('_', '-')} {_shown(v)}: expected a whole number >= {lo} (at most {hi})")
     if hf_config is None and lay != LAYOUT_DEFAULTS:
         given = [f"--{k.replace('_', '-')}" if k != "sequence_parallel" else "--no-sp" for k in lay if lay[k] != LAYOUT_DEFAULTS[k]]
         raise ValueError(f"{', '.join(given)} size the capture: give --hf-config (the model's config.json) as well")
-    if hf_config is not None and not os.path.isfile(hf_config):
-        raise FileNotFoundError(errno.ENOENT, "--hf-config: no such file", hf_config)
     return lay
 
 
 def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf_config: str | None = None,
              layout: dict[str, Any] | None = None) -> tuple[int, str]:  # fmt: skip
     """The report's text and its exit code (0 ready, ``NOT_READY`` otherwise). With ``hf_config``
-    (and ``layout``: tp, pp, tokens, sequence_parallel, images, image_side) also the capture's size
-    per rank, and whether the capture folder's disk holds one rank's."""
+    (a config.json, a model folder or a model id in the local caches: config_source.py; and ``layout``:
+    tp, pp, tokens, sequence_parallel, images, image_side, ranks) also the capture's size per rank, and
+    whether the capture folder's disk holds what ``ranks`` ranks write. A missing config:
+    ``FileNotFoundError``; a bad option value or config: ``ValueError``."""
     layout = check_layout(hf_config, layout)
     env = dict(os.environ if env is None else env)
-    folder = folder or env.get("ORACLE_CAPTURE")
+    origin = None
+    if hf_config is not None:
+        hf_config, origin = config_source.resolve(hf_config, env)
+    variable = env.get("ORACLE_CAPTURE")
+    folder = folder or variable
     problems: list[str] = []
+    notes: list[str] = []  # what the user must still do, or check, for the answer to hold
     lines = [f"oracle doctor: {sys.executable} (Python {sys.version.split()[0]})"]
     here = os.path.dirname(os.path.abspath(__file__))
     pths = pth_files()
@@ -193,21 +222,33 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf
                         "run the doctor in the training environment")  # fmt: skip
     need = None
     if hf_config:
+        lines.append(f"  model config: {hf_config} ({origin})")
         more, need = size_lines(hf_config, layout, bool(env.get("ORACLE_CAPTURE_MODULES")))
         lines += more
     if folder:
-        ok, text = check_folder(folder)
-        lines.append(f"  capture folder: {text}" if ok else "  capture folder: NOT writable")
-        if not ok:
-            problems.append(text)
-        elif need is not None:
-            free = shutil.disk_usage(_existing(folder)).free
-            if free < need:
-                problems.append(f"{folder}: {free / 2**30:.1f} GiB free, one rank writes {need / 2**30:.2f} GiB (pre + post): "
-                                "give a folder on a disk with room (every rank on this node writes as much)")  # fmt: skip
+        problem, text, note = check_folder(folder)
+        lines.append(f"  capture folder: {text}")
+        problems += [problem] if problem else []
+        notes += [note] if note else []
+        if problem is None and need is not None:
+            free, ranks = shutil.disk_usage(_existing(Path(folder).expanduser().absolute())).free, layout["ranks"]
+            if free < need * ranks:
+                problems.append(f"{folder}: {free / 2**30:.1f} GiB free, {ranks} rank(s) write {need * ranks / 2**30:.2f} GiB "
+                                f"({need / 2**30:.2f} GiB each, pre + post): give a folder on a disk with room, or --ranks "
+                                "as many as write to this disk (default 8: one 8-GPU node)")  # fmt: skip
+        elif problem is None:
+            notes.append("the capture's size is not checked against the free space: give --hf-config (the model's "
+                         "config.json, or the --model id the training runs) and the run's --tp / --tokens")  # fmt: skip
+        if not variable:
+            notes.append(f"ORACLE_CAPTURE is not set in this shell: start the training with ORACLE_CAPTURE={folder} "
+                         f"(ORACLE_CAPTURE={folder} swift megatron sft ...)")  # fmt: skip
+        elif Path(variable).expanduser().absolute() != Path(folder).expanduser().absolute():
+            notes.append(f"this checked {folder}, while ORACLE_CAPTURE here names {variable}: the training writes there")
     else:
-        lines.append("  capture folder: ORACLE_CAPTURE is not set here; check the folder with `oracle doctor DIR` "
-                     "(or ORACLE_CAPTURE=DIR oracle doctor)")  # fmt: skip
+        lines.append("  capture folder: ORACLE_CAPTURE is not set here")
+        problems.append("ORACLE_CAPTURE is not set and no DIR was given: nothing would be captured, and no folder was "
+                        "checked; check the folder with `oracle doctor DIR` (or ORACLE_CAPTURE=DIR oracle doctor), then "
+                        "start the training with ORACLE_CAPTURE=DIR")  # fmt: skip
     step = env.get("ORACLE_CAPTURE_STEP", "0")
     if re.fullmatch(r"\s*\d+\s*", step):
         lines.append(f"  step: training call {int(step)} (ORACLE_CAPTURE_STEP; 0 = the first with forward_only=False)")
@@ -229,6 +270,9 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf
     if problems:
         lines += ["NOT READY:"] + [f"  - {p}" for p in problems]
         return NOT_READY, "\n".join(lines)
+    if notes:
+        lines += [f"ready, with {len(notes)} thing(s) to do or check:"] + [f"  - {n}" for n in notes]
+        return 0, "\n".join(lines)
     lines.append("ready: ORACLE_CAPTURE will capture in this environment")
     return 0, "\n".join(lines)
 
@@ -247,17 +291,21 @@ EXAMPLES = (
 ARGUMENT_HELP = "The folder ORACLE_CAPTURE will name (default: $ORACLE_CAPTURE)."
 # (flag, metavar, help); the defaults are LAYOUT_DEFAULTS
 OPTIONS = (
-    ("--hf-config", "PATH", "The model's Hugging Face config.json: print the capture's size per rank."),
+    ("--hf-config", "PATH", "The model's Hugging Face config.json, its folder, or the --model id the training runs "
+     "(Qwen/Qwen3-VL-8B-Instruct, found offline in the Hugging Face or ModelScope cache): print the capture's size per "
+     "rank and check the folder's free space."),
     ("--tp", "INTEGER", "Tensor-parallel size of the run."),
     ("--pp", "INTEGER", "Pipeline-parallel size of the run."),
     ("--tokens", "INTEGER", "Tokens of the captured micro-batch (packed)."),
     ("--no-sp", None, "The run has no sequence parallel (each rank's boundaries hold every row)."),
     ("--images", "INTEGER", "Images in the captured micro-batch."),
     ("--image-side", "INTEGER", "Their side in pixels."),
+    ("--ranks", "INTEGER", "Ranks writing to the folder's disk (one 8-GPU node: 8; all the run's where it is shared)."),
 )
 OPTION_HELP = {flag[2:].replace("-", "_"): text for flag, _, text in OPTIONS}
-EXIT_TEXT = ("Exit codes: 0 ready; 12 not ready (each problem said with its fix); 2 usage error; "
-             "3 the --hf-config file does not exist.")  # fmt: skip
+EXIT_TEXT = ("Exit codes: 0 ready (what is left to do said below the answer); 12 not ready (each problem said with "
+             "its fix); 2 usage error (an option out of range, an --hf-config that is not a model's config.json); "
+             "3 no --hf-config there (no such file, folder or cached model id).")  # fmt: skip
 
 
 def examples(prog: str) -> str:
@@ -269,8 +317,8 @@ def help_text(prog: str = "python -m oracle doctor") -> str:
     texts and defaults, the examples and the exit codes."""
     import textwrap
 
-    defaults = {"--tp": LAYOUT_DEFAULTS["tp"], "--pp": LAYOUT_DEFAULTS["pp"], "--tokens": LAYOUT_DEFAULTS["tokens"],
-                "--images": LAYOUT_DEFAULTS["images"], "--image-side": LAYOUT_DEFAULTS["image_side"]}  # fmt: skip
+    defaults = {flag: LAYOUT_DEFAULTS[flag[2:].replace("-", "_")] for flag, metavar, _ in OPTIONS
+                if metavar == "INTEGER"}  # fmt: skip
     width = min(shutil.get_terminal_size((100, 24)).columns, 100)
 
     def row(left: str, text: str) -> list[str]:
@@ -288,10 +336,8 @@ def help_text(prog: str = "python -m oracle doctor") -> str:
     return "\n".join(lines) + "\n"
 
 
-def parser():
+def parser(prog: str = "python -m oracle doctor"):
     import argparse
-
-    prog = "python -m oracle doctor"
 
     class Parser(argparse.ArgumentParser):
         def format_help(self) -> str:
@@ -312,15 +358,16 @@ def parser():
     return p
 
 
-def main(argv: list[str]) -> int:
-    """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer)."""
-    a = parser().parse_args(argv)  # a usage mistake: the usage, a hint and the error, exit 2
+def main(argv: list[str], prog: str = "python -m oracle doctor") -> int:
+    """``python -m oracle doctor [DIR] [--hf-config ...]``: the check without the CLI's packages (typer);
+    also ``oracle doctor`` where the console script finds no typer (oracle/cli/app.py)."""
+    a = parser(prog).parse_args(argv)  # a usage mistake: the usage, a hint and the error, exit 2
     layout = {"tp": a.tp, "pp": a.pp, "tokens": a.tokens, "sequence_parallel": not a.no_sp, "images": a.images,
-              "image_side": a.image_side}  # fmt: skip
+              "image_side": a.image_side, "ranks": a.ranks}  # fmt: skip
     try:
         code, text = diagnose(a.dir, hf_config=a.hf_config, layout=layout)
     except ValueError as e:
-        print(f"Error: {e} (see python -m oracle doctor --help)", file=sys.stderr)
+        print(f"Error: {e} (see {prog} --help)", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
         print(f"Error: {e.strerror}: {e.filename}", file=sys.stderr)
