@@ -161,3 +161,31 @@ def tiny_rank_module(seed: int = 0) -> torch.nn.Module:
     for p in m.parameters():
         p.grad = torch.randn_like(p)
     return m
+
+
+def command_options() -> dict[str, set[str]]:
+    """Every command of the app -> every spelling of its options (``--verify``, ``--no-verify``)."""
+    import typer.main
+
+    from oracle.cli.app import app
+
+    group = typer.main.get_command(app)
+    return {name: {o for p in cmd.params for o in [*p.opts, *p.secondary_opts]} | {"--help"} for name, cmd in group.commands.items()}
+
+
+def options_not_on_their_command(text: str, *commands: str) -> list[str]:
+    """Each ``--option`` a command's output names, against the command it belongs to: the last command name
+    before it in its clause (``capture both with --modules``), else the commands that printed it. The ones
+    that command lacks, with their line (empty: every hint names a real option)."""
+    import re
+
+    opts = command_options()
+    bad = []
+    for line in text.splitlines():
+        for m in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]*", line):
+            clause = re.split(r"[;:]", line[: m.start()])[-1]
+            named = [w for w in re.findall(r"[a-z][a-z-]*", clause) if w in opts]
+            owners = named[-1:] or list(commands)
+            if not any(m.group() in opts[o] for o in owners):
+                bad.append(f"{'/'.join(owners)} has no {m.group()}: {line.strip()}")
+    return bad

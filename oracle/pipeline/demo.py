@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import recipe as recipes
 from ..capture.steps import capture_recipe_step
 from ..errors import OutputExists
-from ..report.judge import render_answers
+from ..report.judge import MORE_IN_REPORT, render_answers
 from ..report.text import render
 from .judge import Judge
 
@@ -68,7 +68,7 @@ def run_demo(out: str | Path, *, ensemble: int = 4, bug: bool = False, echo: Cal
             f" (bug planted: the gradient into {BUG_MODULE} x{BUG_SCALE} in the backward)" if planted else ""))
     doc = Judge(caps[0], caps[1], out=out / "judge", names=[n for n, _ in RUNS], ensemble=ensemble, echo=echo).run()
     return "\n".join([
-        render(doc["score"], top=5, max_layers=12), "",
+        render(doc["score"], top=5, max_layers=12, more_in=MORE_IN_REPORT), "",
         f"report: {doc['report_files']['html']} (text {doc['report_files']['text']})",
         "(both captures are CPU runs of the embedded tiny Qwen3-VL" + (", the fp32 one with a planted bug)" if bug else ")"), "",
         render_answers(doc),

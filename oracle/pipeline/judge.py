@@ -467,7 +467,7 @@ class Judge:
         runs = []
         for (k, p), cp, c, n in zip(self.inputs, caps_p, caps, self.names):
             runs.append({"name": n, "input": str(p), "input_kind": "megatron rank folder" if k == "ranks" else "capture bundle",
-                         "capture": str(cp), "precision": c.get("precision"), "modules": bool(c.get("modules")),
+                         "capture": str(cp), "megatron": bool(c.get("megatron")), "precision": c.get("precision"), "modules": bool(c.get("modules")),
                          "num_tokens": (c.get("loss") or {}).get("num_tokens"), "fingerprint": manifest_fingerprint(cp),
                          "microbatches": len((c.get("megatron") or {}).get("microbatches") or []) or 1})  # fmt: skip
         t0 = progress.start("report", "write the report (text, JSON, HTML)")

@@ -6,9 +6,13 @@ once that output is complete, a key file beside it: ``.NAME.key`` holding the st
     key = sha256(json({stage name, its parameters, the fingerprints of its inputs}))
 
 where an input bundle's fingerprint is the sha256 of its ``manifest.json`` (the manifest lists the
-sha256 of every tensor, so it changes with any rewrite by a writer) and of the name, size, mtime and
-inode of each of its tensor files (so that a file edited in place, the manifest untouched, changes it
-too), a folder of rank bundles the same over its bundles in name order, and a log the sha256 of its bytes. A stage whose key
+sha256 of every tensor, so it changes with any rewrite by a writer) and the name and sha256 of each of
+its tensor files (so that a file edited in place, the manifest untouched, changes it too), a folder of
+rank bundles the same over its bundles in name order, and a log the sha256 of its bytes. The key is
+of content only: byte-identical inputs written again (a rerun of the demo's captures: new mtimes and
+inodes) give the same key, and their stages are reused. A file's sha256 is read once per state
+(size, mtime, inode) and recorded in the work folder's ``.hashes.json`` (``FileHashes``), so an
+unchanged input is not read again on a rerun. A stage whose key
 file matches and whose output is there is reused, not recomputed; otherwise its output is replaced
 (it lies in the job's own work folder). The key file is written after the output, atomically, so a
 job killed inside a stage recomputes that stage, and the streamed replay inside it resumes from its
@@ -40,16 +44,49 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _files_state(folder: Path) -> str:
-    """Name, size, mtime (ns) and inode of every tensor file of a bundle folder: an edit in place that
-    leaves the manifest as it was still changes the key (hashing the bytes would read gigabytes)."""
+class FileHashes:
+    """sha256 of files, each read once per state: ``{path: [size, mtime_ns, inode, sha256]}`` kept in
+    ``record`` (a work folder's ``.hashes.json``; None: kept in memory only). A file whose size, mtime or
+    inode differs from the record is read again; an unreadable or foreign record is started afresh."""
+
+    MAX_BYTES = 64 << 20  # a record of our own: one line per tensor file; larger is not ours
+
+    def __init__(self, record: Path | None = None):
+        self.record, self.known, self.changed = record, {}, False
+        try:
+            if record is not None and record.is_file() and record.stat().st_size <= self.MAX_BYTES:
+                known = json.loads(record.read_text())
+                if isinstance(known, dict):
+                    self.known = {k: v for k, v in known.items() if isinstance(v, list) and len(v) == 4}
+        except (OSError, ValueError, UnicodeDecodeError):
+            self.known = {}
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key, state = str(path.absolute()), [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self.known.get(key)
+        if hit is not None and hit[:3] == state:
+            return hit[3]
+        digest = file_sha256(path)
+        self.known[key], self.changed = [*state, digest], True
+        return digest
+
+    def save(self) -> None:
+        if self.record is not None and self.changed:
+            self.known = {k: v for k, v in self.known.items() if os.path.exists(k)}
+            _write_atomic(self.record, json.dumps(self.known, sort_keys=True))
+            self.changed = False
+
+
+def _files_state(folder: Path, hashes: FileHashes) -> str:
+    """Name and sha256 of every tensor file of a bundle folder: an edit in place that leaves the manifest
+    as it was still changes the key; the same bytes written again do not."""
     rows = []
     for f in sorted(folder.glob("*.safetensors")):
         try:
-            st = f.stat()
+            rows.append(f"{f.name}:{hashes.sha256(f)}")
         except OSError:
             continue
-        rows.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
@@ -59,22 +96,22 @@ def manifest_fingerprint(path: str | Path) -> str:
     return file_sha256(Path(path) / "manifest.json")
 
 
-def fingerprint(path: str | Path) -> str:
-    """sha256 of a bundle's manifest and the state of its files, of a folder's bundles (in name
+def fingerprint(path: str | Path, hashes: FileHashes | None = None) -> str:
+    """sha256 of a bundle's manifest and the content of its files, of a folder's bundles (in name
     order), or of a file's bytes."""
-    p = Path(path)
+    p, hashes = Path(path), hashes or FileHashes()
     if p.is_file():
         return file_sha256(p)
     if (p / "manifest.json").is_file():
-        return hashlib.sha256((file_sha256(p / "manifest.json") + _files_state(p)).encode()).hexdigest()
+        return hashlib.sha256((file_sha256(p / "manifest.json") + _files_state(p, hashes)).encode()).hexdigest()
     h = hashlib.sha256()
     for m in sorted(p.rglob("manifest.json")):
-        h.update(str(m.relative_to(p)).encode() + b"\0" + file_sha256(m).encode() + _files_state(m.parent).encode())
+        h.update(str(m.relative_to(p)).encode() + b"\0" + file_sha256(m).encode() + _files_state(m.parent, hashes).encode())
     return h.hexdigest()
 
 
-def stage_key(name: str, params: dict[str, Any], inputs: list[str | Path]) -> str:
-    doc = {"stage": name, "params": params, "inputs": [fingerprint(p) for p in inputs]}
+def stage_key(name: str, params: dict[str, Any], inputs: list[str | Path], hashes: FileHashes | None = None) -> str:
+    doc = {"stage": name, "params": params, "inputs": [fingerprint(p, hashes) for p in inputs]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -173,6 +210,12 @@ class Stages:
     def __init__(self, work: Path, progress: Progress):
         self.work, self.progress = work, progress
         self.reused: list[str] = []
+        self.hashes = FileHashes(work / ".hashes.json")
+
+    def _key(self, name: str, params: dict[str, Any], inputs: list[str | Path]) -> str:
+        key = stage_key(name, params, inputs, self.hashes)
+        self.hashes.save()
+        return key
 
     def path(self, name: str, suffix: str = "") -> Path:
         return self.work / f"{name}{suffix}"
@@ -184,7 +227,7 @@ class Stages:
                produce: Callable[[Path, bool], Any]) -> Path:  # fmt: skip
         """A bundle stage: ``produce(out, overwrite)`` writes the bundle at ``out``."""
         out = self.path(name)
-        key = stage_key(name, params, inputs)
+        key = self._key(name, params, inputs)
         kf = self._key_file(out)
         if out.is_dir() and kf.is_file() and kf.read_text().strip() == key:
             self.progress.end(name, None, reused=True)
@@ -201,7 +244,7 @@ class Stages:
                  produce: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
         """A JSON stage: ``produce()`` returns the document; stored as ``NAME.json`` with its key."""
         out = self.path(name, ".json")
-        key = stage_key(name, params, inputs)
+        key = self._key(name, params, inputs)
         if out.is_file():
             try:
                 doc = json.loads(out.read_text(), object_pairs_hook=no_duplicate_keys)

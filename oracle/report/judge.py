@@ -57,6 +57,9 @@ def bound_lines(b: dict[str, Any]) -> list[str]:
     return out
 
 
+MORE_IN_REPORT = "the report's judge.json and index.html"  # judge and demo have no --json / --report: the report has all
+
+
 def render_answers(doc: dict[str, Any]) -> str:
     """The headline, the four answers and what was not concluded: the report's first part."""
     a = doc["answers"]
@@ -75,7 +78,7 @@ def render_answers(doc: dict[str, Any]) -> str:
 
 def render_judge(doc: dict[str, Any]) -> str:
     lines = [render_answers(doc)]
-    lines += ["", "-- evidence --", render(doc["score"], top=8)]
+    lines += ["", "-- evidence --", render(doc["score"], top=8, more_in=MORE_IN_REPORT)]
     for name, loc in (doc.get("local") or {}).items():
         lines += ["", f"-- {name}: local replay --", render_local(loc)]
     for name, ex in (doc.get("explain") or {}).items():

@@ -17,7 +17,9 @@ def _num(x: Any) -> float:
     return float("inf") if x != x else x
 
 
-def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str:
+def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40, more_in: str = "--json / --report") -> str:
+    """``oracle score``'s text; ``more_in``: where the layers past ``max_layers`` are (the command's own
+    options or files: judge and demo name their report's judge.json and index.html)."""
     o = result["oracle"]
     lines = [f"oracle: {o['path']}  ({o['precision']}, loss {_f(o['loss'], '.10g')})"]
     cert = o.get("certificate")
@@ -60,7 +62,7 @@ def render(result: dict[str, Any], *, top: int = 8, max_layers: int = 40) -> str
             note = f"; {r['disagrees']}" if r.get("disagrees") else ""
             lines.append(f"  {r['name']:<34} {_f(r[metric]):>9} {_f(r['band']):>9} {_f(r['excess'], '.2f'):>8}{bc}  {r['class']}{note}")
         if len(c["layers"]) > max_layers:
-            lines.append(f"  ... {len(c['layers']) - max_layers} more layers in --json / --report")
+            lines.append(f"  ... {len(c['layers']) - max_layers} more layers in {more_in}")
     lines.append("")
     lines.append("verdict:")
     lines += ["  " + ln for ln in result["summary"].splitlines()]

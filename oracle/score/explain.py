@@ -106,7 +106,9 @@ def explain(capture: str | Path, module: str, *, fmt: str | None = None) -> dict
     cap = Bundle(capture)
     recorded = cap.get("modules") or {}
     if cap.kind != "capture" or not recorded:
-        raise BundleError(f"{cap.path} has no module boundaries; capture with --modules naming {module!r}")
+        how = ("capture the step again with ORACLE_CAPTURE_MODULES=layers beside ORACLE_CAPTURE, then merge it" if cap.get("megatron")
+               else f"capture with --modules naming {module!r}")  # fmt: skip
+        raise BundleError(f"{cap.path} has no module boundaries; {how}")
     if module not in recorded and not (module == LOSS and "lm_head" in recorded):
         near = ", ".join(sorted(n for n in recorded if module.split(".")[-1] in n)[:5]) or ", ".join(sorted(recorded)[:5])
         raise UsageError(f"module {module!r} was not recorded in {cap.path}; recorded e.g.: {near}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from helpers import options_not_on_their_command
 from typer.testing import CliRunner
 
 from cli import app
@@ -43,6 +44,15 @@ def test_demo_then_demo_bug_in_the_same_folder_answers_honest_then_names_the_bug
     assert doc["answers"]["noise"]["faulty"] == ["cpu-fp32"]
     born = {r["run"]: r for r in doc["answers"]["born"]["per_run"]}
     assert born["cpu-fp32"]["direction"] == "backward" and ".layers.1." in born["cpu-fp32"]["module"]
+    # the amp-bf16 capture is the same bytes again: its stages are reused, the fp32 run's redone
+    for stage in ("truth", "band-amp-bf16"):
+        assert f"{stage}: reused (inputs unchanged)" in res.stderr, res.stderr
+    assert "band-fp32: reused" not in res.stderr
+    # hints name options that exist: the demo's own or judge's (the demo runs judge), the judge report's judge's
+    assert "more layers in the report's judge.json and index.html" in res.stdout
+    assert options_not_on_their_command(res.stdout + res.stderr, "demo", "judge") == []
+    report = (tmp_path / "demo" / "judge" / "report" / "judge.txt").read_text()
+    assert options_not_on_their_command(report, "judge") == []
 
 
 def test_a_dir_holding_anything_but_a_demo_is_refused_untouched(tmp_path):

@@ -8,15 +8,18 @@ from oracle.pipeline.answers import not_concluded
 
 
 def test_the_module_hint_follows_how_each_run_was_captured():
-    """A rank folder is told ORACLE_CAPTURE_MODULES=layers (it has no --modules), a capture bundle --modules."""
+    """A rank folder or a merged Megatron capture is told ORACLE_CAPTURE_MODULES=layers (ORACLE_CAPTURE has no
+    --modules), a capture bundle of `oracle capture` --modules."""
     score = {"captures": [], "oracle": {}, "margin": 3.0}
     runs = [{"name": "H20", "modules": False, "input_kind": "megatron rank folder"},
-            {"name": "cpu", "modules": False, "input_kind": "capture bundle"}]  # fmt: skip
+            {"name": "cpu", "modules": False, "input_kind": "capture bundle"},
+            {"name": "910B", "modules": False, "input_kind": "capture bundle", "megatron": True}]  # fmt: skip
     said = not_concluded(score, {}, runs, None)
-    h20 = next(s for s in said if s.startswith("H20:"))
     cpu = next(s for s in said if s.startswith("cpu:"))
-    assert h20.endswith("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"), h20
-    assert "--modules" not in h20
+    for name in ("H20", "910B"):  # a rank folder, and the cluster path's merged capture given as a bundle
+        line = next(s for s in said if s.startswith(f"{name}:"))
+        assert line.endswith("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"), line
+        assert "--modules" not in line
     assert cpu.endswith("capture both with --modules (e.g. --modules all)"), cpu
 
 
