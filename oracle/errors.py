@@ -90,7 +90,7 @@ EXIT_CODES = {
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",
     NotReplayable.exit_code: "the bundle holds no inputs; it can only be scored against an oracle of the same step",
     RankError.exit_code: "a rank of a distributed replay died or stopped answering (the run stopped; rerun to resume)",
-    12: "oracle doctor: not ready to capture (the start-up hook will not fire, megatron-core is missing, the capture folder cannot be written, or ORACLE_CAPTURE_STEP / ORACLE_CAPTURE_MODULES is malformed)",
+    12: "oracle doctor: not ready to capture (the start-up hook will not fire, megatron-core is missing, no capture folder named, it cannot be written or hold the capture, or ORACLE_CAPTURE_STEP / ORACLE_CAPTURE_MODULES is malformed)",
     130: "interrupted (Ctrl-C); the same command resumes where its stages and streamed replays left off",
 }
 

@@ -70,6 +70,9 @@ class CaptureOptions:
         lines = sample_lines(self.index, self.pack)
         if self.sample is None and len(lines) > 1:
             raise UsageError("packing needs --sample (a .jsonl with several samples)")
+        if self.sample is None and lines != [0]:  # the embedded sample is one: --index 1 would capture it all the same
+            raise UsageError(f"--index {self.index} picks a line of --sample; without --sample the recipe's one embedded "
+                             "sample is captured: give --sample FILE.jsonl, or leave --index out")  # fmt: skip
 
     @property
     def lines(self) -> list[int]:

@@ -443,7 +443,7 @@ _DH = _doctor.OPTION_HELP
 
 
 @app.command(help=f"{_doctor.SUMMARY}\n\n{_doctor.WHERE}\n\n" + "\n\n".join(
-    f"Example: {cmd.format(prog='oracle doctor')}   ({what})" for what, cmd in _doctor.EXAMPLES))  # fmt: skip
+    f"Example: {cmd.format(prog='oracle doctor')}   ({what})" for what, cmd in _doctor.EXAMPLES), epilog=_doctor.EXIT_TEXT)  # fmt: skip
 @user_errors
 def doctor(
     dir: Annotated[str | None, typer.Argument(metavar="DIR", help=_doctor.ARGUMENT_HELP)] = None,
@@ -467,6 +467,13 @@ def doctor(
     typer.echo(text)
     raise typer.Exit(code=code)
 
+
+# Every command's --help ends with its exit codes, from the one table (oracle.errors.EXIT_CODES): the doctor's are
+# its own (EXIT_TEXT, shared with `python -m oracle doctor --help`); every other command's are the table but the doctor's 12.
+COMMAND_EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items() if k != _doctor.NOT_READY)
+for _info in app.registered_commands:
+    if _info.epilog is None:
+        _info.epilog = COMMAND_EPILOG
 
 _PROGRAM = False  # True when this process is the command line (main), not an app invoked inside another program
 

@@ -16,6 +16,7 @@ Stages, each reused when its inputs are unchanged (``stages.py``):
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -80,6 +81,8 @@ def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
         if (b.get("megatron") or {}).get("coords") is not None:
             return "ranks", p
         return "capture", p
+    if p.name == "manifest.json" and p.is_file():
+        raise UsageError(f"run {label}: {p} is a bundle's manifest file: give the bundle's folder, {p.parent}")
     if not p.is_dir():
         hint = (" It looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log (with no runs, the "
                 "logs-only answer)" if p.suffix.lower() in LOG_SUFFIXES or _looks_like_text(p) else "")  # fmt: skip
@@ -186,6 +189,9 @@ class Judge:
                  ensemble: int = ENSEMBLE, members: int = 2, margin: float = 3.0, nproc: int = 1, threads: int | None = None,
                  dp_rank: int | None = None, echo: Callable[[str], None] | None = None):  # fmt: skip
         self.inputs = [resolve_run(run_a, "A"), resolve_run(run_b, "B")]
+        if os.path.samefile(self.inputs[0][1], self.inputs[1][1]):
+            raise UsageError(f"runs A and B are the same folder ({run_a}): judge compares two runs; give the other run's "
+                             "capture as the second")  # fmt: skip
         self.names = run_names([p for _, p in self.inputs], names)
         if logs and len(logs) != 2:
             raise UsageError(f"give two --log files, one per run (got {len(logs)})")

@@ -91,8 +91,16 @@ def test_damaged_capture_is_refused(tmp_path, fp32_capture, oracle_bundle):
 
 
 def test_help_documents_exit_codes():
+    """`oracle --help` and every command's --help end with the exit codes (the doctor's its own: 12 not ready)."""
+    import typer.main
+
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0 and "Exit codes" in r.output and "different steps" in r.output
+    for name in typer.main.get_command(app).commands:
+        r = runner.invoke(app, [name, "--help"], terminal_width=2000)
+        flat = " ".join(r.output.replace("│", " ").split())
+        assert r.exit_code == 0 and "Exit codes: 0 " in flat and "2 usage error" in flat, (name, flat[-300:])
+        assert ("12 not ready" in flat) == (name == "doctor"), name
 
 
 def test_readme_exit_code_table_is_the_codes_table():

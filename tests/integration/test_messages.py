@@ -64,6 +64,26 @@ def test_an_absent_or_empty_run_folder_points_at_the_start_up_hook(fp32_capture,
     assert "python -m oracle doctor DIR" in res.stderr and not (tmp_path / "j").exists()
 
 
+def test_a_run_judged_against_itself_and_a_manifest_given_as_a_run_are_refused(fp32_capture, tmp_path):
+    """`oracle judge A A` (however spelled) would tie with itself: exit 2 naming it; a bundle's manifest.json given
+    as a run is named as one, with its folder to give (not "a grad-norm log"); nothing written."""
+    res = _err(["judge", str(fp32_capture), str(fp32_capture) + "/", "--out", str(tmp_path / "j")])
+    assert res.exit_code == 2, res.output
+    assert f"runs A and B are the same folder ({fp32_capture}): judge compares two runs" in res.stderr
+    res = _err(["judge", str(Path(fp32_capture) / "manifest.json"), str(fp32_capture), "--out", str(tmp_path / "j")])
+    assert res.exit_code == 2, res.output
+    assert f"run A: {Path(fp32_capture) / 'manifest.json'} is a bundle's manifest file: give the bundle's folder, {fp32_capture}" in res.stderr
+    assert "grad-norm log" not in res.stderr and not (tmp_path / "j").exists()
+
+
+def test_capture_index_without_a_sample_is_a_usage_error(tmp_path):
+    """--index 1 without --sample (the embedded sample is one): exit 2 saying to give --sample; nothing written."""
+    res = _err(["capture", "--out", str(tmp_path / "c"), "--index", "1"])
+    assert res.exit_code == 2, res.output
+    assert "--index 1 picks a line of --sample; without --sample the recipe's one embedded sample is captured" in res.stderr
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_same_log_twice_is_named_and_two_rank0_logs_get_their_folders_names(tmp_path):
     """The same file twice: "are the same file", exit 2. Two runs' rank0.log: named by their folders, the answer given."""
     res = _err(["judge", "--log-a", str(H20), "--log-b", str(H20)])

@@ -50,6 +50,20 @@ def test_doctor_in_the_training_env_says_ready_and_what_it_sees(tmp_path):
     assert f"{tmp_path / 'h20-step'}: writable" in r.stdout
 
 
+def test_the_oracle_console_script_runs_doctor_in_the_training_env(tmp_path):
+    """`oracle doctor DIR` (the README's Commands table) through the console script the wheel installed: ready, and
+    ORACLE_CAPTURE=DIR to set (where typer is missing too: tests/integration/test_doctor_help.py blocks it)."""
+    script = os.path.join(os.path.dirname(sys.executable), "oracle")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("ORACLE_CAPTURE", None)
+    r = subprocess.run([script, "doctor", str(tmp_path / "h20-step")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "start-up hook: fires" in r.stdout and "ms-swift 3.12.1" in r.stdout
+    assert f"start the training with ORACLE_CAPTURE={tmp_path / 'h20-step'}" in r.stdout
+    r = subprocess.run([script, "doctor", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and "Usage: oracle doctor [OPTIONS] [DIR]" in r.stdout, r.stdout + r.stderr
+
+
 def _tensor_bytes(path: str) -> int:
     import math
 
@@ -102,7 +116,7 @@ def test_doctor_help_in_the_training_env_reads_as_the_host_cli_with_examples_tha
                  "--tp INTEGER Tensor-parallel size of the run. [default: 1]",
                  "--tokens INTEGER Tokens of the captured micro-batch (packed). [default: 4096]",
                  "--hf-config PATH The model's Hugging Face config.json", "--help Show this message and exit.",
-                 "Examples:", "Exit codes: 0 ready; 12 not ready"):  # fmt: skip
+                 "Examples:", "Exit codes: 0 ready (what is left to do said below the answer); 12 not ready"):  # fmt: skip
         assert part in text, r.stdout
     assert "usage: python -m oracle doctor [-h]" not in r.stdout and "positional arguments" not in r.stdout
     example = next(ln.strip() for ln in r.stdout.splitlines() if "--hf-config config.json" in ln)

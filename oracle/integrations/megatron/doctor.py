@@ -122,7 +122,7 @@ def check_folder(folder: str) -> tuple[str | None, str, str | None]:
                 pass
     line = f"{p}: writable, {free:.1f} GiB free; each rank writes {p}/pre/rankNNNNN and {p}/post/rankNNNNN"
     if created:
-        return None, line.replace("writable", f"does not exist yet (the first rank makes it; {p.parent} is writable)", 1), \
+        return None, line.replace("writable", "writable (not there yet: the first rank makes it)", 1), \
             f"{p} does not exist yet: the first rank makes it; if that is not the folder you meant, correct the path"
     return None, line, None
 
