@@ -21,7 +21,7 @@ def _answer_block(out: str) -> list[str]:
 def test_demo_then_demo_bug_in_the_same_folder_answers_honest_then_names_the_bug(tmp_path):
     """README's two demos one after the other in one --dir: the first answers that both runs are honest; the
     second says it replaces the first's captures and names cpu-fp32, decoder layer 1, the backward and
-    scaling (its judge redoes the stages whose inputs changed); cpu-amp-bf16 stays honest noise."""
+    scaling (its judge redoes only the stages whose inputs changed); cpu-amp-bf16 stays honest noise."""
     res = CliRunner().invoke(app, ["demo", "--ensemble", "2", "--dir", str(tmp_path / "demo")])
     assert res.exit_code == 0, res.output
     block = _answer_block(res.stdout)
@@ -44,10 +44,10 @@ def test_demo_then_demo_bug_in_the_same_folder_answers_honest_then_names_the_bug
     assert doc["answers"]["noise"]["faulty"] == ["cpu-fp32"]
     born = {r["run"]: r for r in doc["answers"]["born"]["per_run"]}
     assert born["cpu-fp32"]["direction"] == "backward" and ".layers.1." in born["cpu-fp32"]["module"]
-    # the amp-bf16 capture is the same bytes again: its stages are reused, the fp32 run's redone
-    for stage in ("truth", "band-amp-bf16"):
+    # run A (amp-bf16) is the same bytes again: the truth and both bands (replays of run A) are reused, the score redone
+    for stage in ("truth", "band-amp-bf16", "band-fp32"):
         assert f"{stage}: reused (inputs unchanged)" in res.stderr, res.stderr
-    assert "band-fp32: reused" not in res.stderr
+    assert "score: reused" not in res.stderr and "score: done in" in res.stderr
     # hints name options that exist: the demo's own or judge's (the demo runs judge), the judge report's judge's
     assert "more layers in the report's judge.json and index.html" in res.stdout
     assert options_not_on_their_command(res.stdout + res.stderr, "demo", "judge") == []
