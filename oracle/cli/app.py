@@ -303,7 +303,7 @@ def merge(
     ranks: Annotated[list[Path], typer.Argument(help="Rank bundles written by ORACLE_CAPTURE or capture_rank (oracle.integrations.megatron.hook), or folders of them.")],
     out: Out,
     recipe: Annotated[str, typer.Option(help="Recipe whose HF names to map to (qwen3, qwen3-vl).")],
-    hf_config: Annotated[Path | None, typer.Option(help="Override: a Hugging Face config.json checked against the run's (ORACLE_CAPTURE records the run's own: needed only where none was recorded, msprobe imports and older hooks).")] = None,
+    hf_config: Annotated[str | None, typer.Option(metavar="PATH", help="Override: a Hugging Face config.json (or its model folder, or a model id in the local Hugging Face / ModelScope cache) checked against the run's (ORACLE_CAPTURE records the run's own: needed only where none was recorded, msprobe imports and older hooks).")] = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="DP rank whose batch (all its micro-batches) is the step (default: 0 before finalize, all DP ranks after).")] = None,
     labels_shift: Annotated[str | None, typer.Option(help="pre-rolled (label t is token t+1, Megatron / ms-swift) or unshifted; default: as the hook recorded it.")] = None,
     overwrite: Overwrite = False,
@@ -313,10 +313,11 @@ def merge(
     Example: oracle merge /shared/h20-step/pre --recipe qwen3-vl --out h20.cap
     """
     from oracle.bundle.store import Bundle
+    from oracle.integrations.megatron.config_source import resolve
     from oracle.integrations.megatron.merge import merge_ranks
     from oracle.recipe import load_hf_config
 
-    config = load_hf_config(hf_config) if hf_config is not None else None
+    config = load_hf_config(resolve(hf_config)[0]) if hf_config is not None else None
     merge_ranks(ranks, out, recipe=recipe, hf_config=config, dp_rank=dp_rank, labels_shift=labels_shift, overwrite=overwrite)
     b = Bundle(out)
     meg = b.get("megatron")

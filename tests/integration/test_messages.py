@@ -259,3 +259,18 @@ def test_judge_estimates_hold_a_replays_fixed_cost_in_probes_of_this_machine(fp3
     monkeypatch.setattr(plan_mod, "plan", slower)
     est2 = j.estimates(caps)
     assert j.probe_s >= 1.0 and est2["truth"]["seconds"] >= TRUTH_PROBES * 1.0 and est2["band-fp32"]["seconds"] >= 2 * member_probes("fp32")
+
+def test_merge_hf_config_takes_a_model_id_from_the_local_cache(tmp_path, monkeypatch):
+    """merge --hf-config Qwen/Qwen3-VL-8B-Instruct: looked up offline in $HF_HOME/hub; not there: exit 3 naming
+    where it looked (the same resolver as oracle doctor's, tests/unit/test_doctor.py)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    res = _err(["merge", str(tmp_path / "none"), "--out", str(tmp_path / "m"), "--recipe", "qwen3-vl",
+                "--hf-config", "Qwen/Qwen3-VL-8B-Instruct"])  # fmt: skip
+    assert res.exit_code == 3, res.output
+    assert f"looked in Qwen/Qwen3-VL-8B-Instruct, {tmp_path / 'hf' / 'hub' / 'models--Qwen--Qwen3-VL-8B-Instruct'}" in res.stderr
+    snap = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-VL-8B-Instruct" / "snapshots" / "r1"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("[1]")  # found: then read as the config (a list is refused, exit 7)
+    res = _err(["merge", str(tmp_path / "none"), "--out", str(tmp_path / "m"), "--recipe", "qwen3-vl",
+                "--hf-config", "Qwen/Qwen3-VL-8B-Instruct"])  # fmt: skip
+    assert res.exit_code == 7 and f"{snap / 'config.json'} does not hold a JSON object" in res.stderr, res.output
