@@ -50,6 +50,7 @@ class FileHashes:
     inode differs from the record is read again; an unreadable or foreign record is started afresh."""
 
     MAX_BYTES = 64 << 20  # a record of our own: one line per tensor file; larger is not ours
+    RACY_NS = 2 * 10**9  # a file changed this recently is hashed again next time (coarse mtimes: FAT 2 s)
 
     def __init__(self, record: Path | None = None):
         self.record, self.known, self.changed = record, {}, False
@@ -68,7 +69,8 @@ class FileHashes:
         if hit is not None and hit[:3] == state:
             return hit[3]
         digest = file_sha256(path)
-        self.known[key], self.changed = [*state, digest], True
+        if time.time_ns() - st.st_mtime_ns > self.RACY_NS:  # else an edit within the same mtime tick would hide
+            self.known[key], self.changed = [*state, digest], True
         return digest
 
     def save(self) -> None:

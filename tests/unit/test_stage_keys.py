@@ -38,6 +38,7 @@ def test_identical_bytes_written_again_keep_the_key_an_edit_in_place_changes_it(
 def test_a_files_hash_is_read_once_per_state(tmp_path, monkeypatch):
     """A second run with the record reads no tensor file again; a file whose state changed is read again."""
     cap = _bundle(tmp_path / "cap", b"\x02" * 1024)
+    os.utime(cap / "grads.safetensors", ns=(10**18, 10**18))  # written long ago: not racy
     record = tmp_path / ".hashes.json"
     first = FileHashes(record)
     stage_key("score", {}, [cap], first)
@@ -50,6 +51,10 @@ def test_a_files_hash_is_read_once_per_state(tmp_path, monkeypatch):
     os.utime(cap / "grads.safetensors", ns=(1, 1))
     stage_key("score", {}, [cap], FileHashes(record))
     assert reads == ["manifest.json", "manifest.json", "grads.safetensors"]
+    (cap / "grads.safetensors").write_bytes(b"\x04" * 1024)  # just written: hashed, not recorded (an edit in the
+    stage_key("score", {}, [cap], FileHashes(record))  # same mtime tick would otherwise go unseen)
+    stage_key("score", {}, [cap], FileHashes(record))
+    assert reads[-4:] == ["manifest.json", "grads.safetensors", "manifest.json", "grads.safetensors"]
 
 
 def test_a_damaged_record_is_started_afresh(tmp_path):
