@@ -27,3 +27,24 @@ def test_without_logs_it_says_which_options_check_them():
     """No logs given: the line names --log-a and --log-b."""
     said = not_concluded({"captures": [], "oracle": {}, "margin": 3.0}, {}, [], None)
     assert any(s.startswith("no grad-norm logs given") and s.endswith("(give each run's log as --log-a and --log-b)") for s in said), said
+
+
+def test_explain_tells_a_merged_megatron_capture_how_its_run_records_modules(tmp_path):
+    """oracle explain on a capture without module boundaries: a merged Megatron capture is told
+    ORACLE_CAPTURE_MODULES=layers (its run has no --modules), an `oracle capture` bundle --modules."""
+    import pytest
+    import torch
+
+    from oracle.bundle.store import BundleWriter
+    from oracle.errors import BundleError
+    from oracle.score.explain import explain
+
+    for name, extra, want in (("merged", {"megatron": {"tp_size": 1}}, "with ORACLE_CAPTURE_MODULES=layers beside ORACLE_CAPTURE"),
+                              ("bundle", {}, "capture with --modules naming 'model.layers.0.mlp'")):  # fmt: skip
+        with BundleWriter(tmp_path / name, "capture") as w:
+            w.manifest.update(**extra)
+            w.add("weights", {"a": torch.zeros(2)})
+            w.add("grads", {"a": torch.zeros(2)})
+        with pytest.raises(BundleError, match="has no module boundaries") as e:
+            explain(tmp_path / name, "model.layers.0.mlp")
+        assert want in str(e.value) and ("--modules" in str(e.value)) == (name == "bundle"), str(e.value)
