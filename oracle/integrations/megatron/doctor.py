@@ -10,13 +10,17 @@ where the CLI is installed) and checks, without importing torch or megatron:
   installed into another environment, or ``python -S`` all answer "no";
 - which torch, torch_npu, megatron-core, MindSpeed, ms-swift and transformers it sees (package
   metadata; megatron-core is needed: the hook wraps its pipeline schedules);
-- where the capture goes (``DIR/pre/rankNNNNN``, ``DIR/post/rankNNNNN``) and whether DIR can be
-  created and written (a probe file, removed again; a DIR the check created is removed), with its
-  free space;
+- where the capture goes (``DIR/pre/rankNNNNN``, ``DIR/post/rankNNNNN``; DIR or ``$ORACLE_CAPTURE``,
+  neither: not ready) and whether DIR can be created and written (a probe file created exclusively
+  under a random name, removed again; a DIR the check created is removed; DIR and its parent both
+  missing: not ready, a typo), with its free space;
+- with ``--hf-config`` (a config.json, a model folder, or the ``--model`` id found in the local caches:
+  config_source.py) the capture's size per rank, and whether the disk holds what ``--ranks`` ranks write;
 - ``ORACLE_CAPTURE_STEP`` is an integer, ``ORACLE_CAPTURE_MODULES`` a preset or a valid regex.
 
-Exit code 0 when ready; ``NOT_READY`` (12, ``oracle.errors.EXIT_CODES``) when anything above would
-stop the capture, each problem said with its fix.
+Exit code 0 when ready, listing what is left to do or check (``ORACLE_CAPTURE=DIR`` to set, a folder the
+first rank will make, a size not checked); ``NOT_READY`` (12, ``oracle.errors.EXIT_CODES``) when anything
+above would stop the capture or leave it nowhere to go, each problem said with its fix.
 """
 
 from __future__ import annotations
