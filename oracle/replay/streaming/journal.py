@@ -149,14 +149,15 @@ class Journal:
 def read_journal(member_dir: Path, kind: str | None = None) -> list[dict]:
     """The records of a member's journal (of one ``kind``: "unit" or "call"); a last line cut by a
     kill ends it, everything before it holds."""
-    path = member_dir / JOURNAL
     recs = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in workdir.read_limited(member_dir / JOURNAL, member_dir.parent).decode(errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             break
-        if kind is None or rec["kind"] == kind:
+        if not isinstance(rec, dict):
+            break
+        if kind is None or rec.get("kind") == kind:
             recs.append(rec)
     return recs
 
