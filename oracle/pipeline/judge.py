@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle.store import Bundle
-from ..errors import InputNotFound, OracleError, UsageError
+from ..errors import BundleError, InputNotFound, OracleError, UsageError, problem_lines
 from ..precision import CAPTURE_NAMES, emulation
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
@@ -173,6 +173,20 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
     rc = launch_ranks(opts, echo=lambda line: echo(f"  {line}"))
     if rc:
         raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
+
+
+def check_complete(caps: list[Bundle], names: list[str]) -> None:
+    """A run whose capture manifest leaves unsaid what the verdict needs (``recipe``, ``precision``,
+    ``loss``: manifest.missing_fields) cannot be judged: BundleError (exit 4) naming the run and each
+    missing field. ``oracle score`` of such a capture says INCOMPLETE; a judge would have answered
+    from what was never captured (issue 41: "capB is faulty" where capB's manifest lacked ``loss``)."""
+    from ..bundle.manifest import missing_fields
+
+    problems = [f"{n} ({c.path}): its manifest {m}" for c, n in zip(caps, names) for m in missing_fields(c.manifest)]
+    if problems:
+        raise BundleError(f"oracle judge cannot judge a capture that lacks what the verdict needs:{problem_lines(problems, 8)}\n"
+                          "capture the step again (every capture of this tool states recipe, precision and loss, null "
+                          "where not known); `oracle score` shows what such a capture covers")  # fmt: skip
 
 
 def replayable(caps: list[Bundle]) -> int:
@@ -420,6 +434,7 @@ class Judge:
             else:
                 caps_p.append(p)
         caps = [Bundle(p) for p in caps_p]
+        check_complete(caps, self.names)  # before any replay: no verdict on what was never captured
         src = replayable(caps)  # the run whose capture holds the inputs (an msprobe import holds none)
         check_same_step(caps[src], caps[1 - src], self.names[1 - src])  # before any replay: exit 5 on another step
         if self.stage_names(self.precisions(caps)) != order:
