@@ -237,6 +237,7 @@ class Judge:
             return
         from ..replay.run import replay
 
+        self._threads()
         replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
                verify="auto" if self.budget is None else "off")  # fmt: skip
 
@@ -248,7 +249,16 @@ class Judge:
             return
         from ..replay.local import replay_local
 
+        self._threads()
         replay_local(cap, out, members=self.members, overwrite=overwrite, progress=True)
+
+    def _threads(self) -> None:
+        """--threads for a replay in this process (as `oracle replay --threads` sets it; a rank of --nproc
+        gets it from the launcher): the emulation's sums follow the thread count (precision/mode.py)."""
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def _spread(self) -> int:
         """How many processes share a band's members (``--nproc``)."""

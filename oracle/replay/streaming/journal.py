@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...bundle.store import tensor_sha256, value_sha256
+from ...precision.mode import as_stored
 from . import workdir
 
 JOURNAL = "journal.jsonl"
@@ -56,7 +57,8 @@ class Journal:
 
     def _save(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
+        with as_stored():
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -88,7 +90,8 @@ class Journal:
         f = self.calls.get((unit, index))
         if f is None:
             return None
-        d = load_file(str(self.dir / f))
+        with as_stored():
+            d = load_file(str(self.dir / f))
         n = int(d.pop("__n__").item())
         low = d.pop("__low__", torch.zeros(n, dtype=torch.bool)).tolist()
         return [(d.get(str(i)), bool(low[i])) for i in range(n)]
