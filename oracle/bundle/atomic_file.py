@@ -23,9 +23,7 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
     names the output and maps it to exit 9)."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
-    with contextlib.suppress(OSError):  # what dead writers left in this folder (signed, pid gone)
-        with atomic.dir_lock(path.parent):
-            atomic.sweep(path.parent)
+    _sweep(path.parent)
     tmp = atomic.temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
@@ -39,3 +37,41 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def _sweep(parent: Path) -> None:
+    """What dead writers left in ``parent`` (signed, pid gone), removed under the folder's lock where it
+    is free at once; a folder locked by a writer (this process's own temporary folder included) is left
+    for a later write."""
+    if atomic.fcntl is None:
+        return
+    try:
+        fd = os.open(parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        atomic.fcntl.flock(fd, atomic.fcntl.LOCK_EX | atomic.fcntl.LOCK_NB)
+        atomic.sweep(parent)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fresh(path: str | os.PathLike) -> Path:
+    """``path`` cleared for a new file of this tool's own in its work folder (a temporary it writes then
+    renames): whatever is there, a symlink included, is removed, never written through."""
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_dir():
+        os.unlink(path)
+    return path
+
+
+def open_new(path: str | os.PathLike, flags: int = os.O_WRONLY):
+    """A new regular file at ``path`` (``fresh``, then an exclusive create that follows no symlink),
+    opened binary for writing (``os.O_APPEND`` in ``flags``: an existing file of ours appended to, a
+    symlink refused with ELOOP)."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    if flags & os.O_APPEND:
+        return os.fdopen(os.open(path, flags | os.O_CREAT | nofollow, 0o666), "ab")
+    return os.fdopen(os.open(fresh(path), flags | os.O_CREAT | os.O_EXCL | nofollow, 0o666), "wb")

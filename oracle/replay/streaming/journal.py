@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...bundle.atomic_file import fresh, open_new
 from ...bundle.store import tensor_sha256, value_sha256
 from ...precision.mode import as_stored
 from . import workdir
@@ -50,13 +51,13 @@ class Journal:
         self._shard = len(self.units)
 
     def _append(self, rec: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(workdir.seal(self.work, rec)) + "\n")
+        with open_new(self.path, os.O_WRONLY | os.O_APPEND) as f:  # a symlink at the journal's name: ELOOP
+            f.write((json.dumps(workdir.seal(self.work, rec)) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
     def _save(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
+        tmp = fresh(path.with_suffix(".tmp"))
         with as_stored():
             save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
         fd = os.open(tmp, os.O_RDONLY)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...bundle.atomic_file import fresh
 from ...precision.mode import as_stored
 
 
@@ -92,7 +93,7 @@ class ActivationStore:
             if "tensor" not in blob:
                 continue
             self.dir.mkdir(parents=True, exist_ok=True)
-            path = self.dir / f"act-{key}.safetensors"
+            path = fresh(self.dir / f"act-{key}.safetensors")
             t = blob.pop("tensor")
             # the layout comes back too (a dense non-contiguous tensor: its strides), so that what a unit's
             # recomputation makes of it is what it makes of the tensor kept in memory

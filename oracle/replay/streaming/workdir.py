@@ -44,6 +44,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ...bundle import atomic, signing
+from ...bundle.atomic_file import write_file
 from ...bundle.store import tensor_sha256
 from ...errors import OutputError, OutputExists
 
@@ -143,7 +144,7 @@ def _make(work: Path, body: dict[str, Any]) -> None:
         work.rmdir()
     tmp = atomic.make_temp(work)
     try:
-        (tmp / HEADER).write_text(json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
+        write_file(tmp / HEADER, json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
         with atomic.dir_lock(work.parent):
             if os.path.lexists(work):
                 raise OutputExists(f"work folder {work} appeared while this run made its own; it was left as it is")
@@ -243,9 +244,7 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
         good.append(line)
         recs.append(rec)
     if len(good) < len(lines):
-        tmp = member_dir / f".{JOURNAL}.tmp"
-        tmp.write_text("".join(ln + "\n" for ln in good))
-        os.replace(tmp, path)
+        write_file(path, "".join(ln + "\n" for ln in good))
         (member_dir / END).unlink(missing_ok=True)
     return recs, note
 
@@ -278,9 +277,7 @@ def read_limited(path: Path, work: Path, limit: int | None = None) -> bytes:
 
 
 def write_end(work: Path, member_dir: Path, end: dict[str, Any]) -> None:
-    tmp = member_dir / f".{END}.tmp"
-    tmp.write_text(json.dumps(seal(work, end)))
-    os.replace(tmp, member_dir / END)
+    write_file(member_dir / END, json.dumps(seal(work, end)))
 
 
 def read_end(work: Path, member_dir: Path) -> dict[str, Any] | None:
