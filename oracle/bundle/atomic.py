@@ -187,8 +187,8 @@ def in_use(p: Path) -> bool:
     if str(p.absolute()) in _HELD or _inherited(p):
         return True
     info = parse(p)
-    if fcntl is None or p.is_symlink() or not p.is_dir():
-        return info is not None and _alive(int(info["pid"])) and int(info["pid"]) != os.getpid()
+    if fcntl is None or p.is_symlink() or not p.is_dir():  # a file's temporary (atomic_file.py) is this process's while it lives
+        return info is not None and _alive(int(info["pid"])) and (int(info["pid"]) != os.getpid() or not p.is_dir())
     try:
         fd = os.open(p, os.O_RDONLY)
     except OSError:

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .atomic_file import write_file
+
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook`` for reading: a key given twice is an error, not "the last one wins"."""
@@ -47,5 +49,5 @@ def dumps(obj: Any, **kw) -> str:
 
 
 def write_json(obj: Any, path: str | Path) -> Path:
-    Path(path).write_text(dumps(obj) + "\n")
-    return Path(path)
+    """``obj`` as strict JSON, written atomically (a full disk or a kill leaves the old file whole)."""
+    return write_file(path, dumps(obj) + "\n")

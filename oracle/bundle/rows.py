@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .atomic_file import open_new
+
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -31,7 +33,7 @@ class RowWriter:
         total = self.shape[0] * self.row_elems * self.item
         header = json.dumps({name: {"dtype": _ST_DTYPES[dtype], "shape": self.shape, "data_offsets": [0, total]}})
         header += " " * (-len(header) % 8)  # safetensors pads its header to 8 bytes
-        self._f = open(self.path, "wb")
+        self._f = open_new(self.path)  # a symlink left at the name is replaced, never written through
         self._f.write(struct.pack("<Q", len(header)) + header.encode())
         self._sha = hashlib.sha256()
         self._value = hashlib.sha256(json.dumps(self.shape).encode())

@@ -152,6 +152,19 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> None:
             raise OutputError(f"cannot write the output {path}: {e.strerror or e} ({e.filename or path.parent})") from None
 
 
+def check_not_input(out: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
+    """Refuse an output that is one of the command's inputs, lies inside one or holds one (OutputExists,
+    exit 6), with or without ``--overwrite``: no command writes into or over what it reads (issue 41:
+    ``oracle merge R1/pre --out R1/pre/rank00000 --overwrite`` replaced its own input)."""
+    o = Path(os.path.abspath(out)).resolve()
+    for i in inputs:
+        p = Path(os.path.abspath(i)).resolve()
+        how = "is" if o == p else "is inside" if p in o.parents else "holds" if o in p.parents else None
+        if how:
+            raise OutputExists(f"--out {out} {how} the input {i}: a command never writes into or over what it reads; "
+                               "choose an --out outside its inputs (nothing was written)")  # fmt: skip
+
+
 class BundleWriter:
     """Writes a bundle atomically. Use as a context manager; nothing appears at ``path`` on error."""
 

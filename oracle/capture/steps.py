@@ -179,7 +179,9 @@ def select_modules(recipe: Recipe, model: nn.Module, spec: str) -> list[str]:
     try:
         names = select(model, pattern)
     except re.error as e:
-        raise RecipeError(f"--modules {spec!r} is neither presets ({', '.join(presets)}) nor a valid regex ({e})") from e
+        raise RecipeError(f"--modules {spec!r} is neither presets ({', '.join(presets)}) nor a valid regex ({e})") from None
+    except ValueError as e:  # modules.check_pattern: not a regex, or one that could backtrack for ever
+        raise RecipeError(f"--modules {spec!r} is not one of the presets ({', '.join(presets)}): {e}") from None
     if not names:
         raise RecipeError(f"--modules {spec!r} selects no module; presets: {', '.join(presets)}")
     return names

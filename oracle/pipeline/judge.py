@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle.store import Bundle
-from ..errors import InputNotFound, OracleError, UsageError
+from ..errors import BundleError, InputNotFound, OracleError, UsageError, problem_lines
 from ..precision import CAPTURE_NAMES, emulation
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
@@ -178,6 +178,20 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
         raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
 
 
+def check_complete(caps: list[Bundle], names: list[str]) -> None:
+    """A run whose capture manifest leaves unsaid what the verdict needs (``recipe``, ``precision``,
+    ``loss``: manifest.missing_fields) cannot be judged: BundleError (exit 4) naming the run and each
+    missing field. ``oracle score`` of such a capture says INCOMPLETE; a judge would have answered
+    from what was never captured (issue 41: "capB is faulty" where capB's manifest lacked ``loss``)."""
+    from ..bundle.manifest import missing_fields
+
+    problems = [f"{n} ({c.path}): its manifest {m}" for c, n in zip(caps, names) for m in missing_fields(c.manifest)]
+    if problems:
+        raise BundleError(f"oracle judge cannot judge a capture that lacks what the verdict needs:{problem_lines(problems, 8)}\n"
+                          "capture the step again (every capture of this tool states recipe, precision and loss, null "
+                          "where not known); `oracle score` shows what such a capture covers")  # fmt: skip
+
+
 def replayable(caps: list[Bundle]) -> int:
     """Which run the truth is replayed from: A, unless A holds no inputs and B does."""
     return 1 if not caps[0].names("inputs") and caps[1].names("inputs") else 0
@@ -229,6 +243,7 @@ class Judge:
             return
         from ..replay.run import replay
 
+        self._threads()
         replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
                verify="auto" if self.budget is None else "off")  # fmt: skip
 
@@ -240,7 +255,16 @@ class Judge:
             return
         from ..replay.local import replay_local
 
+        self._threads()
         replay_local(cap, out, members=self.members, overwrite=overwrite, progress=True)
+
+    def _threads(self) -> None:
+        """--threads for a replay in this process (as `oracle replay --threads` sets it; a rank of --nproc
+        gets it from the launcher): the emulation's sums follow the thread count (precision/mode.py)."""
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def _spread(self) -> int:
         """How many processes share a band's members (``--nproc``)."""
@@ -426,6 +450,7 @@ class Judge:
             else:
                 caps_p.append(p)
         caps = [Bundle(p) for p in caps_p]
+        check_complete(caps, self.names)  # before any replay: no verdict on what was never captured
         src = replayable(caps)  # the run whose capture holds the inputs (an msprobe import holds none)
         check_same_step(caps[src], caps[1 - src], self.names[1 - src])  # before any replay: exit 5 on another step
         if self.stage_names(self.precisions(caps)) != order:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..bundle.atomic_file import write_file
 from ..bundle.jsonio import dumps, no_duplicate_keys
 from ..errors import OutputError
 from .eta import Calibration
@@ -118,12 +119,9 @@ def stage_key(name: str, params: dict[str, Any], inputs: list[str | Path], hashe
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_file(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 

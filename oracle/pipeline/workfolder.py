@@ -21,6 +21,7 @@ import secrets
 from pathlib import Path
 
 from ..bundle import atomic, signing
+from ..bundle.atomic_file import write_file
 from ..errors import OutputError, OutputExists
 
 MARK = ".oracle-judge"
@@ -57,9 +58,7 @@ def open_out(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / MARK).is_file():
             nonce = secrets.token_hex(16)
-            tmp = out / f"{MARK}.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps({"made_by": MADE_BY, "nonce": nonce, "mac": signing.mac(MADE_BY, nonce)}))
-            os.replace(tmp, out / MARK)
+            write_file(out / MARK, json.dumps({"made_by": MADE_BY, "nonce": nonce, "mac": signing.mac(MADE_BY, nonce)}))
     except OSError as e:
         raise OutputError(f"cannot write into the work folder {out}: {e.strerror or e}") from None
     clear_leftovers(out)

@@ -37,6 +37,7 @@ way), the spread another accumulation order gives.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import weakref
@@ -329,7 +330,10 @@ class PrecisionMode(TorchDispatchMode):
             # is exact to ~2^-33) and the two float32 roundings of x u and of the sum move the point
             # rounded by at most 2^-24 |x|, 1/2^16 of a bf16 ulp: the draw stays uniform on a grid of
             # 2^15 points per quarter ulp. (float64 here cost 4.5x the float64 truth per member.)
-            u = torch.empty_like(x).uniform_(-self._jitter, self._jitter, generator=self._gen)
+            # drawn in the logical (row-major) order of x's elements, whatever its strides: empty_like drew
+            # in memory order, so the same values laid out otherwise (an activation spilled to disk comes
+            # back contiguous) drew other jitter (issue 41: a member's band moved with the free memory)
+            u = torch.empty(x.shape, dtype=x.dtype).uniform_(-self._jitter, self._jitter, generator=self._gen)
             return torch.where(keep, r, torch.addcmul(x, x, u).to(self.round_to).to(self.compute))
         # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u needs float64
         u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
@@ -496,6 +500,20 @@ def outside():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+@contextlib.contextmanager
+def as_stored():
+    """A block that writes or reads tensor files of the replay's own (spilled activations, journalled
+    input gradients), or restores a layout: every mode set aside (the dispatch mode rounds nothing
+    here; the function mode shows no apparent dtype), so a tensor held "in bf16" by the amp emulation
+    (a float32 tensor marked low, shown as bf16 by ``_ApparentDtype``) is written as the float32 it is
+    and read back bitwise. Under the modes safetensors wrote it as real bf16: a spilled activation came
+    back another dtype, and the backward failed or not with the memory left for activations."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 def kernel_io(mode: PrecisionMode | None, x: Any) -> Any:

@@ -8,8 +8,9 @@ with its fix.
 Generic checks (any recipe): the token ids (``input_ids`` or Megatron's ``tokens``) are integers of
 shape (B, T) with 0 <= id < the embedding's rows (``Recipe.vocab_size``); ``labels`` and
 ``loss_mask`` have the ids' shape, labels are integers in [0, vocab) or -100 (ignored) where the
-loss mask, if any, takes them; ``position_ids`` are integers with one position per token: (B, T),
-or (k, B, T) for multimodal rotary sections. Then the recipe's own (``Recipe.check_inputs``: image
+loss mask, if any, takes them, and at least one token carries a loss (all -100: no gradient to
+replay); ``position_ids`` are non-negative integers with one position per token: (B, T), or (k, B, T)
+for multimodal rotary sections. Then the recipe's own (``Recipe.check_inputs``: image
 tokens against vision features, grid against pixels). Only small tensors are loaded (ids, labels,
 positions, masks, grids); pixel values are checked by their recorded shape.
 """
@@ -90,6 +91,11 @@ def _check_ids(cap: Bundle, ids_name: str, shapes: dict, dtypes: dict, vocab: in
             if bool(out.any()):
                 problems.append(f"inputs/labels holds labels outside [0, {vocab}) that are not {IGNORE} (ignored): "
                                 f"{_where(out)}; labels are token ids of this model's vocabulary")  # fmt: skip
+            taken = (labels != IGNORE) if mask is None else (labels != IGNORE) & mask
+            if not bool(taken.any()):
+                problems.append(f"inputs/labels: no token carries a loss (every label is {IGNORE}"
+                                f"{' or masked by inputs/loss_mask' if mask is not None else ''}): the step has no "
+                                "gradient to replay; the labels were lost or are another batch's")  # fmt: skip
     if "position_ids" in shapes:
         ps = shapes["position_ids"]
         ok = (len(ps) == 2 and ps == (B, T)) or (len(ps) == 3 and ps[1:] == (B, T)) or (len(ps) == 2 and ps == (1, T))
@@ -98,4 +104,7 @@ def _check_ids(cap: Bundle, ids_name: str, shapes: dict, dtypes: dict, vocab: in
         elif not ok:
             problems.append(f"inputs/position_ids has shape {list(ps)} but inputs/{ids_name} is {[B, T]}: one position per "
                             f"token, (B, T) = {[B, T]} or (sections, B, T) = [3, {B}, {T}] for multimodal rotary positions")  # fmt: skip
+        elif bool((pos := cap.load("inputs", "position_ids") < 0).any()):
+            problems.append(f"inputs/position_ids holds negative positions ({int(pos.sum())} of them): positions count "
+                            "from 0 within each sample")  # fmt: skip
     return problems

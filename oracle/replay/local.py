@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_loads
 from tqdm import tqdm
 
 from ..bundle.shapes import check_shapes, stored_shapes
-from ..bundle.store import Bundle, BundleWriter, check_output
+from ..bundle.store import Bundle, BundleWriter, check_not_input, check_output
 from ..capture.modules import ModuleRecorder, group_name
 from ..errors import BundleError, RecipeError
 from ..metrics import rel_l2
@@ -240,6 +240,7 @@ def replay_local(
     overwrite: bool = False, progress: bool = False,
 ) -> Path:  # fmt: skip
     cap = Bundle(capture)
+    check_not_input(out, [capture])
     check_output(out, overwrite)
     recorded = cap.get("modules") or {}
     if not recorded:

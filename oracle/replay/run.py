@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .. import precision as precisions
 from ..bundle.shapes import stored_shapes
-from ..bundle.store import Bundle, BundleWriter, check_output
+from ..bundle.store import Bundle, BundleWriter, check_not_input, check_output
 from ..capture.api import versions
 from ..capture.steps import build_model
 from ..errors import BundleError, NotReplayable, UsageError
@@ -108,6 +108,7 @@ def replay(
     if ensemble < 1:
         raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
+    check_not_input(out, [capture])
     check_output(out, overwrite)  # before the replay, not after hours of it
     if cap.kind not in ("capture", "oracle"):
         raise BundleError(f"{cap.path} is a {cap.kind} bundle; replay needs a capture")

@@ -11,16 +11,25 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import io
 from pathlib import Path
 from typing import Any
 
+from ..bundle.atomic_file import write_file
 from ..bundle.jsonio import write_json
 
 CSV_FIELDS = ["capture", "precision", "name", "layer", "rel_l2", "cosine", "norm_ratio", "max_abs",
               "frac_rel_gt_1e-3", "nonfinite", "band", "excess", "class"]  # fmt: skip
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot_png(result: dict[str, Any]) -> bytes:
+    """The error-per-layer figure of ``result`` as PNG bytes (written by the caller, atomically)."""
+    buf = io.BytesIO()
+    plot(result, buf)
+    return buf.getvalue()
+
+
+def plot(result: dict[str, Any], path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +62,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -62,11 +71,12 @@ def _json_and_csv(result: dict[str, Any], out_dir: str | Path, csv_name: str, fi
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "score.json")
-    with open(out / csv_name, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
+    f = io.StringIO(newline="")
+    w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    write_file(out / csv_name, f.getvalue())
     return out
 
 
@@ -88,8 +98,9 @@ def layer_table(c: dict[str, Any]) -> str:
 def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     rows = ({"capture": c["name"], "precision": c["precision"], **r} for c in result["captures"] for r in c["params"])
     out = _json_and_csv(result, out_dir, "params.csv", CSV_FIELDS, rows)
-    plot(result, out / "errors.png")
-    png = base64.b64encode((out / "errors.png").read_bytes()).decode()
+    raw = plot_png(result)
+    write_file(out / "errors.png", raw)
+    png = base64.b64encode(raw).decode()
     e = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>oracle score</title>",
@@ -106,8 +117,7 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
         parts.append(f"<h2>{e(c['name'])} ({e(c['precision'])})</h2><p>{e(c['verdict']['text'])}</p>")
         parts.append(layer_table(c))
     parts.append("</body></html>")
-    (out / "index.html").write_text("\n".join(parts))
-    return out / "index.html"
+    return write_file(out / "index.html", "\n".join(parts))
 
 
 LOCAL_CSV_FIELDS = ["module", "calls", "order", "fwd", "expected_fwd", "ratio_fwd", "bwd", "expected_bwd", "ratio_bwd",
@@ -162,8 +172,7 @@ def write_local_report(res: dict[str, Any], out_dir: str | Path, explained: list
     parts.append("</table>")
     parts += [explain_section(x) for x in explained]
     parts.append("</body></html>")
-    (out / "index.html").write_text("\n".join(parts))
-    return out / "index.html"
+    return write_file(out / "index.html", "\n".join(parts))
 
 
 def write_explain_report(res: dict[str, Any], out_dir: str | Path) -> Path:
@@ -174,5 +183,4 @@ def write_explain_report(res: dict[str, Any], out_dir: str | Path) -> Path:
     page = ("<!doctype html><html><head><meta charset='utf-8'><title>oracle explain</title><style>body{font-family:sans-serif;"
             "margin:2em}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
             f"</head><body><h1>oracle: op-level attribution</h1>{explain_section(res)}</body></html>")  # fmt: skip
-    (out / "index.html").write_text(page)
-    return out / "index.html"
+    return write_file(out / "index.html", page)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 from pathlib import Path
 from typing import Any
 
+from ..bundle.atomic_file import write_file
 from ..bundle.jsonio import dumps
 from ..errors import OutputError
-from .files import layer_table, plot
+from .files import layer_table, plot_png
 from .text import render, render_explain, render_local
 
 QUESTIONS = [
@@ -154,26 +154,18 @@ def _html(doc: dict[str, Any], png: str) -> str:
     return "\n".join(parts)
 
 
-def _put(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    (tmp.write_bytes if isinstance(data, bytes) else tmp.write_text)(data)
-    os.replace(tmp, path)
-
-
 def write_judge_report(doc: dict[str, Any], out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tmp_png = out / f".errors.png.tmp-{os.getpid()}.png"
-        plot(doc["score"], tmp_png)
-        os.replace(tmp_png, out / "errors.png")
+        write_file(out / "errors.png", plot_png(doc["score"]))
         files = {"text": str(out / "judge.txt"), "json": str(out / "judge.json"), "html": str(out / "index.html"),
                  "plot": str(out / "errors.png")}  # fmt: skip
         doc = {**doc, "report_files": files}
-        _put(out / "judge.txt", render_judge(doc) + "\n")
-        _put(out / "judge.json", dumps(doc) + "\n")
+        write_file(out / "judge.txt", render_judge(doc) + "\n")
+        write_file(out / "judge.json", dumps(doc) + "\n")
         png = base64.b64encode((out / "errors.png").read_bytes()).decode()
-        _put(out / "index.html", _html(doc, png))
+        write_file(out / "index.html", _html(doc, png))
     except OSError as e:
         raise OutputError(f"cannot write the report {out}: {e.strerror or e}") from None
     return files

@@ -160,7 +160,7 @@ class Qwen3VLRecipe(Recipe):
         ``image_grid_thw`` (n_images, 3) of positive (t, h, w) with h, w multiples of the merge size;
         ``pixel_values`` one row per patch, sum(t*h*w) rows of C*tp*p*p values; the ids hold one
         image token per merged patch, sum(t*h*w) / merge**2 (the model scatters exactly that many
-        vision features into the image tokens' places)."""
+        vision features into the image tokens' places); positions, where given, of the 3 rotary sections."""
         vision = config.get("vision_config") or {}
         merge = int(vision.get("spatial_merge_size", 2))
         ids_name = "input_ids" if "input_ids" in shapes else "tokens"
@@ -190,6 +190,11 @@ class Qwen3VLRecipe(Recipe):
             problems.append(f"inputs/pixel_values rows hold {pv[1]} values; this vision config's patches hold {width} "
                             "(channels x temporal patch x patch x patch)")  # fmt: skip
         want = patches // merge**2
+        pos = shapes.get("position_ids")
+        if pos is not None and len(pos) == 2 and "cu_seqlens" not in shapes:  # packed Megatron steps derive theirs
+            problems.append(f"inputs/position_ids has shape {list(pos)}: with images a Qwen3-VL step's rotary positions "
+                            "are (3, B, T), one row per section (t, h, w); a 2-D copy gives the image tokens text "
+                            "positions (capture the positions the model computed, or leave them out)")  # fmt: skip
         if n_tokens != want:
             problems.append(f"inputs/{ids_name} holds {n_tokens} image token(s) (id {image_id}) but inputs/image_grid_thw "
                             f"{grid.tolist()} makes {want} merged patches (t*h*w / {merge}x{merge}): one image token per "

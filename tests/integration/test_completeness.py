@@ -74,3 +74,16 @@ def test_a_capture_without_a_loss_is_replayed_saying_so(fp32_capture, tmp_path, 
     assert r.exit_code == 0, r.output
     said = "its manifest has no 'loss'" if how == "absent" else "its loss was not recorded (null)"
     assert f"records no loss ({said}): the replayed loss cannot be checked" in r.output
+
+
+@pytest.mark.parametrize("field", ["recipe", "loss", "precision"])
+@pytest.mark.parametrize("which", [0, 1], ids=["run A", "run B"])
+def test_a_judge_of_a_capture_lacking_a_stated_field_is_refused_before_any_replay(fp32_capture, tmp_path, field, which):
+    """`oracle judge cap capB` with either run's manifest lacking recipe, loss or precision (issue 41: exit 0 with
+    "capB is faulty"): exit 4 naming the run and the field, before any stage ran; nothing but the marker written."""
+    bad = edited(fp32_capture, tmp_path / "capB", lambda m: m.pop(field))
+    runs = [fp32_capture, str(bad)] if which else [str(bad), fp32_capture]
+    r = runner.invoke(app, ["judge", *runs, "--name", "A", "--name", "B", "--out", str(tmp_path / "j")])
+    assert r.exit_code == 4 and f"'{field}' is missing" in r.output and ("B (" if which else "A (") in r.output, r.output
+    assert "faulty" not in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "j").exists() or sorted(p.name for p in (tmp_path / "j").iterdir()) == [".oracle-judge"]

@@ -274,3 +274,28 @@ def test_merge_hf_config_takes_a_model_id_from_the_local_cache(tmp_path, monkeyp
     res = _err(["merge", str(tmp_path / "none"), "--out", str(tmp_path / "m"), "--recipe", "qwen3-vl",
                 "--hf-config", "Qwen/Qwen3-VL-8B-Instruct"])  # fmt: skip
     assert res.exit_code == 7 and f"{snap / 'config.json'} does not hold a JSON object" in res.stderr, res.output
+
+
+@pytest.mark.parametrize("pattern", ["(", "(a+)+$"])
+def test_a_module_regex_that_cannot_be_used_is_exit_7(tmp_path, pattern):
+    """`oracle capture --modules '('` (not a regex) and `'(a+)+$'` (backtracks): exit 7 naming the presets (issue 41:
+    both were a traceback), nothing written."""
+    res = _err(["capture", "--out", str(tmp_path / "c"), "--modules", pattern])
+    assert res.exit_code == 7 and "--modules" in res.output and "presets" in res.output, res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_bad_capture_step_is_said_on_one_line(monkeypatch, capsys):
+    """ORACLE_CAPTURE_STEP=abc: one line on stderr, from the first training call through the end of the process
+    (issue 41: the exit report said it a second time)."""
+    from oracle.integrations.megatron import autocapture
+
+    monkeypatch.setenv("ORACLE_CAPTURE", "somewhere")
+    monkeypatch.setenv("ORACLE_CAPTURE_STEP", "abc")
+    for k, v in (("calls", 0), ("patched", True), ("written", 0), ("why", None), ("bad_step", False)):
+        monkeypatch.setitem(autocapture._state, k, v)
+    step = autocapture._wrap(lambda *a, **k: "result")
+    assert step(forward_only=False) == "result"
+    autocapture._report_at_exit()
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "ORACLE_CAPTURE_STEP" in err, err

@@ -119,10 +119,11 @@ def test_a_journal_record_naming_a_path_outside_moves_nothing(fp32_capture, tmp_
     assert st["resumed"] is True and any("record" in n for n in st["recomputed"])
 
 
-@pytest.mark.parametrize("damage", ["missing-shard", "flipped-shard", "truncated-gin", "garbled-journal"])
+@pytest.mark.parametrize("damage", ["missing-shard", "flipped-shard", "truncated-gin", "garbled-journal", "duplicated-record"])
 def test_a_damaged_work_file_is_recomputed_never_published(fp32_capture, tmp_path, monkeypatch, whole, damage):
-    """A shard deleted or bit-flipped, an input-gradient file truncated, a journal line garbled: the rerun
-    exits 0 with no traceback, names what it recomputed, and its oracle is bitwise the uninterrupted one."""
+    """A shard deleted or bit-flipped, an input-gradient file truncated, a journal line garbled or a unit's record
+    written twice (issue 41: was a traceback, 'grads-00001.safetensors written twice'): the rerun exits 0 with no
+    traceback, names what it recomputed, and its oracle is bitwise the uninterrupted one."""
     work = interrupted(fp32_capture, tmp_path / "o", monkeypatch, units=4)
     member = work / "grads"
     shards = sorted(member.glob("shard-*.safetensors"))
@@ -136,10 +137,14 @@ def test_a_damaged_work_file_is_recomputed_never_published(fp32_capture, tmp_pat
     elif damage == "truncated-gin":
         assert gins, "no input-gradient file was journalled"
         gins[0].write_bytes(gins[0].read_bytes()[:40])
-    else:
+    elif damage == "garbled-journal":
         lines = (member / "journal.jsonl").read_text().splitlines()
         lines[1] = lines[1].replace('"unit"', '"unlt"', 1)
         (member / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    else:  # the first unit's record again (signed: a copied line), after the others
+        lines = (member / "journal.jsonl").read_text().splitlines()
+        first = next(ln for ln in lines if json.loads(ln)["kind"] == "unit")
+        (member / "journal.jsonl").write_text("\n".join([*lines, first]) + "\n")
     res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
     assert res.exit_code == 0, res.output
     assert "recomputing from there" in res.output, res.output
@@ -154,3 +159,24 @@ def test_a_replay_refused_for_its_budget_leaves_no_work_folder(fp32_capture, tmp
     assert not (tmp_path / ".o.partial").exists()
     res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G")
     assert res.exit_code == 0 and "(resumed)" not in res.output, res.output
+
+
+def test_symlinks_planted_in_a_work_folder_are_never_written_through(fp32_capture, tmp_path, monkeypatch, whole):
+    """A killed run's folder with symlinks at the names its rerun writes (every next shard's and input gradient's
+    temporary, the end record, the spilled activations' files) pointing at a user's file (issue 41: written
+    through, into the folder they point at): the user's file stays as it was; the rerun's oracle is bitwise."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch)
+    member = work / "grads"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("user data")
+    n = len(list(member.glob("shard-*.safetensors")))
+    planted = [member / f"shard-{k:05d}.tmp" for k in range(n + 1, n + 40)] + [member / "end.json"]
+    planted += [member / f"gin-{journal._slug(u)}-0.tmp" for u in ("model.language_model.layers.0", "model.visual.merger")]
+    (work / "grads.spill").mkdir(exist_ok=True)
+    planted += [work / "grads.spill" / f"act-{k}.safetensors" for k in range(60)]
+    for p in planted:
+        p.symlink_to(victim)
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
+    assert res.exit_code == 0, res.output
+    assert victim.read_text() == "user data"
+    assert_bitwise(tmp_path / "o", whole)

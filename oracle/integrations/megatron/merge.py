@@ -52,12 +52,13 @@ import torch
 
 from ... import recipe as recipes
 from ...bundle.shapes import entry_nbytes
-from ...bundle.store import Bundle, BundleWriter
+from ...bundle.store import Bundle, BundleWriter, check_not_input
 from ...errors import BundleError, MismatchError, UsageError
 from . import microbatches
 from .boundaries import merge_boundaries
 from .hfconfig import hf_config as run_hf_config
 from .hfconfig import with_padded_vocab
+from .hook import STAGES
 from .layout import VOCAB_DIVISIBLE_BY, Heads, kind_of, merge_tensor, partial_sum
 from .names import NameMap, strip_wrappers
 from .packing import packed_inputs
@@ -208,6 +209,10 @@ def select_ranks(bundles: list[Bundle], dp_rank: int | None = None) -> tuple[dic
     check_stale(bundles)  # a rankNNNNN an earlier run left in the folder: named first
     check_one_run(bundles)
     stage = stages.pop()
+    if stage not in STAGES:  # a step caught between the two (issue 41: 'mid-step' was merged as if finalized)
+        raise BundleError(f"rank captures recorded at stage {stage!r} ({bundles[0].path}): a merge knows what a rank's "
+                          f"gradients are only at {' or '.join(repr(s) for s in STAGES)} (before or after the "
+                          "finalize's reduction); capture the step again with the start-up hook (ORACLE_CAPTURE)")  # fmt: skip
     tp, pp, dp = _one(metas, "tp_size", "TP size"), _one(metas, "pp_size", "PP size"), _one(metas, "dp_size", "DP size")
     if _one(metas, "cp_size", "CP size") > 1:
         raise BundleError("context-parallel captures (CP > 1) hold a slice of the sequence per rank; they are not merged")
@@ -344,6 +349,7 @@ def _labels(chosen: dict, inputs: dict[str, torch.Tensor], given: str | None) ->
 
 def merge_ranks(paths: list[str | Path], out: str | Path, *, recipe: str, hf_config: dict[str, Any] | None = None,
                 dp_rank: int | None = None, labels_shift: str | None = None, overwrite: bool = False) -> Path:  # fmt: skip
+    check_not_input(out, paths)
     bundles = rank_bundles(paths)
     chosen, info = select_ranks(bundles, dp_rank)
     rec = recipes.get(recipe)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ... import precision as precisions
+from ...bundle.atomic_file import write_file
 from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, RecipeError, UsageError
 from ...parallel import distributed
@@ -129,7 +130,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
             if not distributed.mine(k):
                 (work / member).mkdir(exist_ok=True)
                 part = distributed.recv_parts(member, distributed.owner(k), work / member)
-                (work / member / "journal.jsonl").write_text("".join(json.dumps(u) + "\n" for u in part["units"]))
+                write_file(work / member / "journal.jsonl", "".join(json.dumps(u) + "\n" for u in part["units"]))
                 by_member[member] = (part["end"]["loss"], part["end"]["order"])
                 resumed = resumed or bool(part.get("resumed"))  # the run resumed if any rank took over finished work
         losses, orders = [by_member[m][0] for m in members], [by_member[m][1] for m in members]

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...bundle.atomic_file import fresh, open_new
 from ...bundle.store import tensor_sha256, value_sha256
+from ...precision.mode import as_stored
 from . import workdir
 
 JOURNAL = "journal.jsonl"
@@ -49,14 +51,15 @@ class Journal:
         self._shard = len(self.units)
 
     def _append(self, rec: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(workdir.seal(self.work, rec)) + "\n")
+        with open_new(self.path, os.O_WRONLY | os.O_APPEND) as f:  # a symlink at the journal's name: ELOOP
+            f.write((json.dumps(workdir.seal(self.work, rec)) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
 
     def _save(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp = fresh(path.with_suffix(".tmp"))
+        with as_stored():
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -88,7 +91,8 @@ class Journal:
         f = self.calls.get((unit, index))
         if f is None:
             return None
-        d = load_file(str(self.dir / f))
+        with as_stored():
+            d = load_file(str(self.dir / f))
         n = int(d.pop("__n__").item())
         low = d.pop("__low__", torch.zeros(n, dtype=torch.bool)).tolist()
         return [(d.get(str(i)), bool(low[i])) for i in range(n)]
@@ -149,14 +153,15 @@ class Journal:
 def read_journal(member_dir: Path, kind: str | None = None) -> list[dict]:
     """The records of a member's journal (of one ``kind``: "unit" or "call"); a last line cut by a
     kill ends it, everything before it holds."""
-    path = member_dir / JOURNAL
     recs = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in workdir.read_limited(member_dir / JOURNAL, member_dir.parent).decode(errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             break
-        if kind is None or rec["kind"] == kind:
+        if not isinstance(rec, dict):
+            break
+        if kind is None or rec.get("kind") == kind:
             recs.append(rec)
     return recs
 

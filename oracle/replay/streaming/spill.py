@@ -5,7 +5,8 @@ The forward stores each unit's inputs (``put``); the backward takes them back in
 hidden state to a block and to a deepstack merger) is stored once: entries hold references to
 blobs keyed by the tensor's identity. Past ``budget`` bytes the *oldest* blobs go to disk first
 (the backward needs the newest first), one safetensors file each, written with its bytes and read
-back bitwise; nothing is pickled. Files are removed as soon as their blob is no longer referenced.
+back bitwise, in its layout (a dense tensor's strides); nothing is pickled. Files are removed as soon
+as their blob is no longer referenced.
 A spilled blob is still matched while the tensor it came from is alive (a weak reference): the rotary
 tables every decoder layer receives are written once, not once per layer. ``written`` counts the
 bytes of the files written (what ``--dry-run`` estimates as spilled activations).
@@ -21,9 +22,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...bundle.atomic_file import fresh
+from ...precision.mode import as_stored
+
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a non-contiguous tensor whose elements fill its storage span exactly once (a
+    permutation of a contiguous one: a transpose), which ``empty_strided`` can lay out again; None for
+    a contiguous tensor, or one that overlaps itself or leaves gaps (an expanded view: stored contiguous)."""
+    if t.is_contiguous() or t.numel() == 0:
+        return None
+    expect = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d])):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return None
+        expect *= t.shape[d]
+    return tuple(t.stride())
 
 
 class ActivationStore:
@@ -75,9 +93,13 @@ class ActivationStore:
             if "tensor" not in blob:
                 continue
             self.dir.mkdir(parents=True, exist_ok=True)
-            path = self.dir / f"act-{key}.safetensors"
+            path = fresh(self.dir / f"act-{key}.safetensors")
             t = blob.pop("tensor")
-            save_file({"t": t.contiguous()}, str(path))
+            # the layout comes back too (a dense non-contiguous tensor: its strides), so that what a unit's
+            # recomputation makes of it is what it makes of the tensor kept in memory
+            blob["strides"] = _dense_strides(t)
+            with as_stored():
+                save_file({"t": t.contiguous()}, str(path))
             blob["file"] = path
             self.in_memory -= blob["nbytes"]
             self.spilled_bytes += blob["nbytes"]
@@ -89,7 +111,10 @@ class ActivationStore:
             blob = self._blobs[key]
             t = blob.get("tensor")
             if t is None:
-                t = load_file(str(blob["file"]))["t"]
+                with as_stored():
+                    t = load_file(str(blob["file"]))["t"]
+                    if blob["strides"] is not None:
+                        t = torch.empty_strided(t.shape, blob["strides"], dtype=t.dtype).copy_(t)
             out.append(t)
             blob["refs"] -= 1
             if blob["refs"] == 0:

@@ -37,12 +37,14 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
 from ...bundle import atomic, signing
+from ...bundle.atomic_file import write_file
 from ...bundle.store import tensor_sha256
 from ...errors import OutputError, OutputExists
 
@@ -67,11 +69,23 @@ def _mac(*parts: Any) -> str:
 _same = signing.same
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, limit: int = 1 << 20) -> Any:
+    """A small JSON file of ours (a header, an end record), or None: missing, a symlink, not a regular
+    file, over ``limit`` bytes (never read past it) or not JSON."""
     try:
-        return json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+        return json.loads(data) if len(data) <= limit else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
+    finally:
+        os.close(fd)
 
 
 def _signed(d: Any) -> dict | None:
@@ -130,7 +144,7 @@ def _make(work: Path, body: dict[str, Any]) -> None:
         work.rmdir()
     tmp = atomic.make_temp(work)
     try:
-        (tmp / HEADER).write_text(json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
+        write_file(tmp / HEADER, json.dumps({**body, "mac": _mac(body)}, sort_keys=True))
         with atomic.dir_lock(work.parent):
             if os.path.lexists(work):
                 raise OutputExists(f"work folder {work} appeared while this run made its own; it was left as it is")
@@ -193,10 +207,11 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
     kill ends it too); the journal is cut back to them. -> (records without their MACs, a note naming
     what was dropped, or None)."""
     path = member_dir / JOURNAL
-    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    lines = read_limited(path, work).decode(errors="replace").splitlines()
     good: list[str] = []
     recs: list[dict] = []
     note = None
+    seen: set = set()  # (kind, unit, index) and file names recorded so far: a second record of either is damage
     dropped = set()  # calls whose input gradients a later (signed) record dropped: their files are gone by design
     for line in lines:
         try:
@@ -217,6 +232,11 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
             why = None
         else:
             why = _check_file(member_dir, rec) if rec.get("kind") in ("unit", "call") else "is of an unknown kind"
+        if why is None and rec.get("kind") in ("unit", "call"):
+            ids = {(rec["kind"], json.dumps(rec.get("unit")), json.dumps(rec.get("index"))), ("file", rec.get("file"))}
+            if ids & seen:
+                why = f"records {rec.get('kind')} {rec.get('unit')!r} ({rec.get('file')}) a second time"
+            seen |= ids
         if why is not None:
             if not (torn and i == len(lines) - 1):  # a torn last line is an ordinary kill, not news
                 note = f"{member_dir.name}: journal record {i + 1} {why}; recomputing from there"
@@ -224,17 +244,40 @@ def valid_records(work: Path, member_dir: Path) -> tuple[list[dict], str | None]
         good.append(line)
         recs.append(rec)
     if len(good) < len(lines):
-        tmp = member_dir / f".{JOURNAL}.tmp"
-        tmp.write_text("".join(ln + "\n" for ln in good))
-        os.replace(tmp, path)
+        write_file(path, "".join(ln + "\n" for ln in good))
         (member_dir / END).unlink(missing_ok=True)
     return recs, note
 
 
+JOURNAL_MAX = 256 << 20  # bytes; a journal holds one line per unit and call (~1 KiB each at Qwen3-VL-8B): far below
+
+
+def read_limited(path: Path, work: Path, limit: int | None = None) -> bytes:
+    """The bytes of a work file this tool wrote (a journal; b"" where there is none), read without
+    following a symlink and never past ``limit``: a symlink, a device or a file over the limit is not
+    what this tool wrote: OutputExists (exit 6) naming it, the folder left as it is."""
+    fix = f"the work folder {work} was left as it is; delete it (rm -r) and run again"
+    limit = JOURNAL_MAX if limit is None else limit
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return b""
+    except OSError as e:
+        raise OutputExists(f"{path} is not a file this tool wrote ({e.strerror or e}: a symlink?); {fix}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputExists(f"{path} is not a regular file (this tool writes its journal as one); {fix}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OutputExists(f"{path} is over {limit >> 20} MiB, more than this tool writes into a journal; {fix}")
+    return data
+
+
 def write_end(work: Path, member_dir: Path, end: dict[str, Any]) -> None:
-    tmp = member_dir / f".{END}.tmp"
-    tmp.write_text(json.dumps(seal(work, end)))
-    os.replace(tmp, member_dir / END)
+    write_file(member_dir / END, json.dumps(seal(work, end)))
 
 
 def read_end(work: Path, member_dir: Path) -> dict[str, Any] | None:
