@@ -1,4 +1,4 @@
-"""Module boundaries of a real megatron-core 0.12.1 step (tests/megatron_peer.py, CPU, gloo), recorded
+r"""Module boundaries of a real megatron-core 0.12.1 step (tests/megatron_peer.py, CPU, gloo), recorded
 with ``capture_rank(modules=record_modules(model, "layers"))``, merged onto transformers' Qwen3
 decoder layers (oracle/integrations/megatron/boundaries.py) and replayed locally: honest layers
 within their band at TP 1, TP 2 + SP (each rank's s/TP rows concatenated) and packed; a gradient
