@@ -20,7 +20,8 @@ one HF module each (``ROLES``, by the mcore name below the layer):
 
 Where the input norm is fused into linear_qkv / linear_fc1 (TransformerEngine's spec, MindSpeed's:
 ``layer_norm_weight`` parameters), ``self_attention`` and ``mlp`` receive the hidden states before the
-norm, a boundary no single HF module has: they are named unmapped. Linear layers (TP shards of fused
+norm, a boundary no single HF module has, and the norm modules are weightless identities: they are
+named unmapped (only the q/k norms map there). Linear layers (TP shards of fused
 tensors), the attention kernel and rotary (a function in mcore, not a module) are not mapped either. The boundary is the same function on both
 sides: mcore's layer is input norm (fused into linear_qkv under TE / MindSpeed, a module of its own
 in the local spec), attention with the rotary embedding applied inside, residual, pre-MLP norm,
@@ -114,10 +115,14 @@ def _role(name: str, ranks: list) -> str:
         raise _Unmapped(f"{below} inside a decoder layer is not mapped: linear layers hold TP shards of fused tensors, "
                         f"the attention kernel and rotary have no HF module of their own; mapped: "
                         f"{', '.join(k for k in ROLES if k)}")  # fmt: skip
+    grads = ranks[0].names("grads")
     fused = _FUSED.get(below)
-    if fused and any(n.endswith(f"{below}.{fused}.layer_norm_weight") for n in ranks[0].names("grads")):
+    if fused and any(n.endswith(f"{below}.{fused}.layer_norm_weight") for n in grads):
         raise _Unmapped(f"its input norm is fused into {fused} (TransformerEngine / MindSpeed spec): it receives the "
                         "hidden states before the norm, a boundary no single HF module has; capture the whole layer")  # fmt: skip
+    if below.endswith("layernorm") and not any(n.endswith(f"{below}.weight") for n in grads):
+        raise _Unmapped("it has no weight: an identity where the spec fuses the norm into the next linear layer "
+                        "(TransformerEngine / MindSpeed); capture the whole layer")  # fmt: skip
     return ROLES[below]
 
 
