@@ -68,3 +68,18 @@ def test_a_vit_block_0_attention_backward_leak_is_found_per_rank_by_the_judge(pa
         assert f["fault_calls"]["attention_kv_offset"] == 7 and f["reported"] == h["reported"], f["fault_calls"]
         changed = [n for n in h["grads_sha256"] if f["grads_sha256"][n] != h["grads_sha256"][n]]
         assert changed and all("vision" in n or "visual" in n for n in changed), changed
+
+
+def test_the_dry_run_prices_the_rank_view_stage(packed_judged, tmp_path):
+    """``oracle judge --dry-run`` of the packed pair lists the rank-view stage between the band and the score, with a
+    time: TP 2 x (the truth + the 2 band members), the whole step in memory."""
+    from oracle.pipeline.judge import Judge
+
+    packed_judged("")
+    j = Judge(packed_judged.h20, packed_judged.folders[""], out=tmp_path / "dry", recipe="qwen3-vl", names=["H20", "910B"])
+    text, refused = j.dry_run()
+    rows = [ln.split()[0] for ln in text.splitlines()[2:] if ln.startswith("  ") and not ln.startswith("  total")]
+    assert rows[rows.index("band-bf16") + 1] == "rank-view" and rows[rows.index("rank-view") + 1] == "score", text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("rank-view"))
+    assert line.split()[1] not in ("<", "0"), line
+    assert refused == []
