@@ -72,13 +72,18 @@ def _zero_padded_rows(model, vocab: int, padded: int, tp_rank: int):
                 p[max(vocab - start, 0) :] = 0
 
 
-def _plant_mlp_grad_scale(model, layer: int, factor: float):
+def _plant_mlp_grad_scale(model, layer: int, factor: float, inside: bool = False):
     """Scale the gradient arriving at decoder layer ``layer``'s MLP output by ``factor`` (the forward,
-    and so the loss, untouched): the symptom of the original report, planted in Megatron's own module."""
+    and so the loss, untouched): the symptom of the original report, planted in Megatron's own module.
+    ``inside``: the gradient leaving linear_fc2 for the activation instead (inside the MLP's own backward:
+    the MLP's recorded boundary sees its grad_output right and its grad_input wrong)."""
     offset = min((int(m.layer_number) - 1 for n, m in model.named_modules() if n.endswith("decoder.layers.0")), default=0)
     for n, m in model.named_modules():
         if n.endswith(f"decoder.layers.{layer - offset}.mlp") and hasattr(m, "linear_fc2"):
-            m.register_forward_hook(lambda mod, args, out: out[0].register_hook(lambda g: g * factor) and None)
+            if inside:
+                m.linear_fc2.register_forward_hook(lambda mod, args, out: args[0].register_hook(lambda g: g * factor) and None)
+            else:
+                m.register_forward_hook(lambda mod, args, out: out[0].register_hook(lambda g: g * factor) and None)
 
 
 def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir: str | None = None):
@@ -138,7 +143,7 @@ def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir:
                      pre_process=first, post_process=last)  # fmt: skip
     _zero_padded_rows(model, vocab, padded, parallel_state.get_tensor_model_parallel_rank())
     if opts.get("fault"):  # a planted backward fault: the gradient entering one layer's MLP scaled
-        _plant_mlp_grad_scale(model, *opts["fault"])
+        _plant_mlp_grad_scale(model, *opts["fault"], inside=opts.get("fault_inside", False))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                   use_distributed_optimizer=False), model)  # fmt: skip
     ddp.zero_grad_buffer()
@@ -241,11 +246,12 @@ def _accumulate(ddp, config, mask, vocab: int, seeds: list[int], per_token: bool
 def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: str | None = None, *, pp: int = 1, dp: int = 1,
              per_token: bool = True, vocab: int = CFG["vocab_size"], divisible_by: int = 1, packed: bool = False,
              fault: tuple[int, float] | None = None, tied: bool = False, modules: str | None = None,
-             no_loss: bool = False, mb_seeds: tuple[int, ...] = ()) -> str:  # fmt: skip
+             no_loss: bool = False, mb_seeds: tuple[int, ...] = (), fault_inside: bool = False) -> str:  # fmt: skip
     """One step on TP x PP x DP processes. ``divisible_by``: Megatron's make_vocab_size_divisible_by (the
     vocabulary is padded to a multiple of it x TP; 1 pads only to a multiple of TP). ``packed``: three samples
     in the row, the attention mask reset per sample (megatron-core's rope keeps positions 0..T-1 outside THD).
-    ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward.
+    ``fault``: (layer, factor), the gradient entering that decoder layer's MLP scaled by factor in the backward
+    (``fault_inside``: the gradient inside it, between linear_fc2 and the activation).
     ``tied``: share_embeddings_and_output_weights (with PP > 1 the last stage holds its own copy of the
     embedding as output_layer, and finalize sums the two stages' gradients). ``modules``: a selection
     for ``record_modules`` (e.g. ``layers``): those modules' boundaries go into both bundles. ``no_loss``: the
@@ -253,7 +259,7 @@ def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: 
     call of micro-batches batch(seed) each, gradients accumulated, captured by ``ORACLE_CAPTURE=OUT`` (PP 1)."""
     opts = {"tp": tp, "sp": sp, "pp": pp, "per_token": per_token, "vocab": vocab, "divisible_by": divisible_by,
             "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss,
-            "mb_seeds": list(mb_seeds)}  # fmt: skip
+            "mb_seeds": list(mb_seeds), "fault_inside": fault_inside}  # fmt: skip
     port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
     mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
     return out

@@ -56,10 +56,11 @@ def stray_params(c: dict[str, Any]) -> list[dict[str, Any]]:
     """Parameters beyond their own band in a run whose layers all stay within theirs (the verdict is per
     layer: a layer aggregates its parameters, so a fault confined to a few of them can stay inside it; a
     planted 5 % scale of one layer's MLP gradient in bf16: those weights 3.2-3.4x, the layer 1.00x).
-    Largest excess first; gradients the framework left unreduced are not among them (judged per rank)."""
+    Largest excess first; gradients the framework left unreduced are not among them unless judged per rank
+    (an ordinary row then: each rank against its own truth and band, score/framework.py)."""
     if c["verdict"]["class"] != "within_noise":
         return []
-    left_out = set(_unreduced(c))
+    left_out = set(_unreduced(c)) - {p["name"] for p in c.get("params", []) if p.get("judged") == "per rank"}
     rows = [p for p in c.get("params", []) if p.get("class") == "beyond_noise" and p["name"] not in left_out]
     return sorted(rows, key=lambda p: -p["excess"])
 

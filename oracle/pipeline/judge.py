@@ -7,6 +7,9 @@ Stages, each reused when its inputs are unchanged (``stages.py``):
                        replay: another step is refused (exit 5), as ``oracle score`` refuses it
     truth              A replayed once in float64 (streamed within --max-memory, resumable)
     band-PREC          an emulated ensemble of each distinct capture precision (each run's own band)
+    rank-view          where a run's merged capture holds gradients the framework left per rank (ms-swift's
+                       ViT under SP): each rank's own truth and band (integrations/megatron/perrank.py), so
+                       that score judges those gradients per rank, as ordinary rows of the verdict
     score              both runs against the truth, each with the band of its own precision
     local-X, explain-X where run X recorded module boundaries: its local replay, scored, and
                        ``explain`` of its top culprit
@@ -219,6 +222,7 @@ class Judge:
         self.out, self.recipe, self.logs = Path(out), recipe, [Path(lg) for lg in logs]
         self.max_memory, self.ensemble, self.members, self.margin = max_memory, ensemble, members, margin
         self.nproc, self.threads, self.dp_rank, self.echo = nproc, threads, dp_rank, echo
+        self.layouts: list[dict[str, Any]] = []  # per-rank judgements the merged captures need (rank_layouts)
         from ..replay.streaming.engine import parse_size
 
         self.budget = parse_size(max_memory) if max_memory else None
@@ -284,9 +288,27 @@ class Judge:
             out.append(first is not None and bool(Bundle(first).get("modules")))
         return out
 
+    @staticmethod
+    def rank_layouts(caps: list[Bundle]) -> list[dict[str, Any]]:
+        """The rank-view stages: one per distinct layout (TP, SP, stage, loss convention) among the runs whose
+        merged capture holds gradients the framework left per rank (perrank.layout_of), their names united."""
+        from ..integrations.megatron.perrank import layout_of
+
+        out: dict[tuple, dict[str, Any]] = {}
+        for c in caps:
+            lay = layout_of(c)
+            if lay is not None:
+                key = (lay["tp"], lay["sequence_parallel"], lay["stage"], lay["per_token_loss"])
+                have = out.setdefault(key, {**lay, "names": []})
+                have["names"] = sorted(set(have["names"]) | set(lay["names"]))
+        return list(out.values())
+
+    def rank_stage(self, i: int) -> str:
+        return "rank-view" if len(self.layouts) == 1 else f"rank-view-{i + 1}"
+
     def stage_names(self, precisions: list[str]) -> list[str]:
         names = [f"merge-{n}" for (k, _), n in zip(self.inputs, self.names) if k == "ranks"] + ["truth"]
-        names += [f"band-{p}" for p in precisions] + ["score"]
+        names += [f"band-{p}" for p in precisions] + [self.rank_stage(i) for i in range(len(self.layouts))] + ["score"]
         for mods, n in zip(self.has_modules(), self.names):
             if mods:
                 names += [f"local-{n}", f"local-score-{n}", f"explain-{n}"]
@@ -338,6 +360,12 @@ class Judge:
                                    "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(),
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
+        for i, lay in enumerate(self.layouts):  # TP x (the truth + every band member), in memory
+            serial = est["truth"]["seconds"] + sum(est[f"band-{p}"]["seconds"] * self._spread() for p in precs)
+            gemm = est["truth"]["gemm_seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] * self._spread() for p in precs)
+            est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm,
+                         "flops": lay["tp"] * (base["total_flops"] + sum(plans[p]["total_flops"] * self.ensemble for p in precs)),
+                         "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
             "seconds": 3 * grads / 500e6 + eta.SCORE_PROBES * probe,  # reading the truth, the captures, the bands; 0.5-3 s on the tiny model
@@ -383,6 +411,7 @@ class Judge:
             caps = [Bundle(self._merge(k, p, Path(tmp) / n, False)) for (k, p), n in zip(self.inputs, self.names)]
             src = replayable(caps)
             check_same_step(caps[src], caps[1 - src], self.names[1 - src])
+            self.layouts = self.rank_layouts(caps)
             est = self.estimates(caps)
             order = self.stage_names(self.precisions(caps))
         refused = self.refusals(est)
@@ -453,6 +482,7 @@ class Judge:
         check_complete(caps, self.names)  # before any replay: no verdict on what was never captured
         src = replayable(caps)  # the run whose capture holds the inputs (an msprobe import holds none)
         check_same_step(caps[src], caps[1 - src], self.names[1 - src])  # before any replay: exit 5 on another step
+        self.layouts = self.rank_layouts(caps)
         if self.stage_names(self.precisions(caps)) != order:
             order = self.stage_names(self.precisions(caps))
             progress.total = len(order)
@@ -470,11 +500,20 @@ class Judge:
             bands.append(st.bundle(f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
                                    {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc},
                                    [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
+        views = []
+        for i, lay in enumerate(self.layouts):
+            from ..integrations.megatron.perrank import project
+
+            views.append(st.bundle(self.rank_stage(i), f"each TP rank's own truth and band for {len(lay['names'])} gradient(s) "
+                                   f"the framework left per rank (TP {lay['tp']}, SP)", {"layout": lay},
+                                   [truth, caps_p[src], *bands],
+                                   lambda out, ow, lay=lay: project(truth, caps_p[src], bands, out, lay, overwrite=ow)))  # fmt: skip
         from ..score.scorer import score as do_score
 
         result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin},
-                             [truth, *caps_p, *bands],
-                             lambda: do_score(truth, caps_p, band_paths=bands, margin=self.margin, names=self.names))  # fmt: skip
+                             [truth, *caps_p, *bands, *views],
+                             lambda: do_score(truth, caps_p, band_paths=bands, margin=self.margin, names=self.names,
+                                              per_rank=views))  # fmt: skip
         local, explained = {}, {}
         for c, cp, n in zip(caps, caps_p, self.names):
             if not c.get("modules"):

@@ -116,3 +116,9 @@ def emulation(name: str):
     """``(compute, round_to, ops)`` as torch dtypes for replaying a run of ``name`` (precision/mode.py)."""
     p = get(name)
     return torch_dtype(p.compute), (torch_dtype(p.round_to) if p.round_to else None), p.ops
+
+
+def member_seed(k: int) -> int | None:
+    """The jitter seed of emulated member ``k`` of ``replay --ensemble`` (member 0 is not jittered): a
+    member replayed again with it (judge's per-rank band, integrations/megatron/perrank.py) is that member."""
+    return None if k == 0 else 1000 + k

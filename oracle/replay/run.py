@@ -215,7 +215,7 @@ def replay(
             parts, files = {}, []
             for k in range(ensemble):
                 if distributed.mine(k):
-                    model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
+                    model, _, loss, mode = run_step(cap, dtype, jitter_seed=precisions.member_seed(k))
                     f = tmp / f"{group_of(k)}.safetensors"
                     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
                     parts[group_of(k)] = {"k": k, "loss": loss, "entries": distributed.save_part(grads, f)}
@@ -229,7 +229,7 @@ def replay(
         for k in tqdm(range(ensemble), desc=f"emulating {dtype}", disable=not progress):
             if not distributed.mine(k):
                 continue
-            model, _, loss, mode = run_step(cap, dtype, jitter_seed=None if k == 0 else 1000 + k)
+            model, _, loss, mode = run_step(cap, dtype, jitter_seed=precisions.member_seed(k))
             by_k[k] = loss
             w.add(group_of(k), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
             del model

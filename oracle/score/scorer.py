@@ -37,7 +37,9 @@ and beyond it the verdict says the replay is not the step that ran (a dropped pa
 vocabulary, another loss convention, other inputs) or the device's forward is wrong (local replay
 tells them apart); it is a finding, not an error.
 Framework findings (merged Megatron captures whose TP replicas the framework never reduced): see
-framework.py; parameters whose copies do not add up to the truth leave the verdict and are listed.
+framework.py; parameters whose copies do not add up to the truth are scored per rank against each
+rank's own truth and band where ``per_rank`` bundles (the judge's rank-view stage) hold them (an
+ordinary row: ``judged`` "per rank", ``worst_rank``), else listed in ``left_out`` with the reason.
 Padded vocabulary (Megatron captures that recorded the true vocabulary V < Vp): the vocabulary
 tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_rows``).
 """
@@ -57,7 +59,7 @@ from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
 from .framework import finding as framework_finding
-from .framework import framework_rows
+from .framework import framework_rows, judge_per_rank
 from .layers import group as group_layers
 from .tolerance import MARGIN, check_margin, table
 
@@ -140,6 +142,7 @@ def score(
     tol_overrides: dict[str, dict[str, float]] | None = None,
     names: list[str] | None = None,
     force_band: bool = False,
+    per_rank: list[str | Path] = (),
 ) -> dict[str, Any]:
     """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
     refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
@@ -198,15 +201,30 @@ def score(
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
     oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
+    views = [Bundle(v) for v in per_rank]
     for plan in plans:  # gradients the framework left unreduced: judged apart (framework.py)
+        plan["per_rank"], plan["left_out"] = {}, []
         if plan["norms"] is None:
             band_of = lambda p, plan=plan: _band_value(plan["band_rows"].get(p, []), False, plan["tol"])  # noqa: E731
-            plan["framework"] = framework_finding(framework_rows(oracle, plan["bundle"], band_of, margin))
-            for p in (plan["framework"] or {}).get("excluded", []):
+            fw_rows = framework_rows(oracle, plan["bundle"], band_of, margin)
+            mixed = [r["name"] for r in fw_rows if not r["adds_up"]]
+            judged, plan["left_out"] = judge_per_rank(views, plan["bundle"], mixed, plan["precision"],
+                                                      lambda ms, plan=plan: _band_value(ms, False, plan["tol"]))  # fmt: skip
+            for p in mixed:
+                k = len(plan["band_rows"].get(p, []))
+                if p in judged and len(judged[p]["members"]) == k:
+                    plan["rows"][p], plan["band_rows"][p] = judged[p]["row"], judged[p]["members"]
+                    plan["per_rank"][p] = judged[p]["info"]
+                    continue
+                if p in judged:
+                    plan["left_out"].append({"name": p, "reason": f"its per-rank band has {len(judged[p]['members'])} "
+                                             f"member(s), the {plan['precision']} band {k}: rerun the judge's rank-view stage"})  # fmt: skip
                 plan["rows"].pop(p, None)
+            plan["framework"] = framework_finding(fw_rows, set(plan["per_rank"]))
     result_caps = [_score_capture(plan, layers, layer_of, margin, rank) for plan in plans]
     for c, plan in zip(result_caps, plans):
         c["framework"] = plan.get("framework")
+        c["left_out"] = plan.get("left_out", [])  # [{name, reason}]: held but not in the verdict
         if c["framework"]:
             c["verdict"]["text"] += "; " + c["framework"]["text"]
         c["unverified"] = unverified[c["name"]]
@@ -245,9 +263,9 @@ def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
     c: Bundle = plan["bundle"]
     held = list(plan["norms"]) if plan["norms"] is not None else c.names("grads")
     known = set(pnames)
-    # held but left out of the end-to-end verdict as a framework finding (framework.py): the capture
-    # has them, they are judged per rank (rank-view), so they are named apart, not counted missing
-    apart = set((plan.get("framework") or {}).get("excluded", []))
+    # held but left out of the verdict (framework.py: unreduced, no per-rank truth): named apart with
+    # their reason (``left_out``), not counted missing
+    apart = {x["name"] for x in plan.get("left_out", [])}
     missing = [p for p in pnames if p not in plan["rows"] and p not in apart]
     extra = sorted(n for n in held if n not in known)
     return {"oracle": len(pnames), "covered": len(pnames) - len(missing), "missing": missing, "extra": extra,
@@ -272,8 +290,8 @@ def _judge_coverage(c: dict[str, Any], oracle_nonfinite: list[str]) -> None:
     if cov["extra"]:
         line += f"; {len(cov['extra'])} not in the oracle (not scored): {_names(cov['extra'])}"
     if cov["framework_apart"]:
-        line += (f"; {len(cov['framework_apart'])} held but judged per rank (rank-view), not end to end: the "
-                 f"framework left them unreduced ({_names(cov['framework_apart'])})")  # fmt: skip
+        line += (f"; {len(cov['framework_apart'])} held but left out of the verdict (the framework left them "
+                 f"unreduced, no per-rank truth; see left_out): {_names(cov['framework_apart'])}")  # fmt: skip
     cov["text"] = line
     head = f"{c['name']} ({c['precision']}): "
     checked = v["text"].removeprefix(head) if cov["covered"] else "nothing was checked"
@@ -371,6 +389,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             else ("rel_l2", "cosine", "norm_ratio", "max_abs", "frac_rel_gt_1e-3", "nonfinite", "norm", "ref_norm")
         )
         row.update({k: r[k] for k in keys})
+        row.update(plan.get("per_rank", {}).get(p, {}))  # judged per rank (framework.py): worst rank, each rank
         if p in plan["padded"]:
             row["padded_rows"] = {k: plan["padded"][p][k] for k in ("rows", "rel_l2", "norm", "ref_norm")}
         params.append(row)

@@ -55,11 +55,22 @@ MEGATRON_NAMES = {
 }
 
 
+#: mcore sub-module of a decoder layer -> its HF module (oracle/integrations/megatron/boundaries.py ROLES)
+SUBMODULES = {"": "", ".self_attention": ".self_attn", ".self_attention.q_layernorm": ".self_attn.q_norm",
+              ".self_attention.k_layernorm": ".self_attn.k_norm", ".mlp": ".mlp", ".input_layernorm": ".input_layernorm",
+              ".pre_mlp_layernorm": ".post_attention_layernorm"}  # fmt: skip
+
+
+def megatron_modules(mcore_layer: str, hf_layer: str) -> dict[str, str]:
+    """A decoder layer's module templates and its sub-modules' (boundaries a Megatron rank records)."""
+    return {mcore_layer + mc: hf_layer + hf for mc, hf in SUBMODULES.items()}
+
+
 class Qwen3Recipe(Recipe):
     name = "qwen3"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
-    megatron_modules = {"decoder.layers.{i}": "model.layers.{i}"}
+    megatron_modules = megatron_modules("decoder.layers.{i}", "model.layers.{i}")
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         return hf_config.get("model_type") == "qwen3"

@@ -17,7 +17,7 @@ from oracle.errors import RecipeError
 from oracle.recipe import ModelSource, Recipe
 from oracle.replay.loss import causal_lm_loss, lm_head_loss, masked_token_loss
 
-from ..qwen3.recipe import MEGATRON_NAMES, text_layer_key
+from ..qwen3.recipe import MEGATRON_NAMES, megatron_modules, text_layer_key
 from . import flavors
 from .inputs import build_inputs
 
@@ -39,7 +39,7 @@ class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = _vl_megatron_names()
-    megatron_modules = {"language_model.decoder.layers.{i}": "model.language_model.layers.{i}"}
+    megatron_modules = megatron_modules("language_model.decoder.layers.{i}", "model.language_model.layers.{i}")
     # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder
     # layers are Qwen3's, so Qwen3's layer plan (Qwen3Config.base_model_tp_plan) applies as it is
     tp_plan = {f"model.language_model.layers.*.{m}": s for m, s in (

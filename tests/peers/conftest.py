@@ -139,3 +139,18 @@ def unpacked_capture():
     """``capture(path, out, env)``: one UNPACKED step captured (for a capture no judge work folder shares)."""
     need("h20"), need("910b")
     return capture
+
+
+SUB_MODULES = r"decoder\.layers\.0\..*"  # the judge's advice: decoder layer 0's sub-modules, not the layer
+MLP_FAULT = "mlp-grad:0:1.5"  # tests/swift/peer.py plant_fault: layer 0's MLP scales the gradient inside its backward
+
+
+@pytest.fixture(scope="session")
+def sub_judged(tmp_path_factory):
+    """The UNPACKED step with decoder layer 0's sub-module boundaries (``SUB_MODULES``) on both paths, judged:
+    the H20 run with ``MLP_FAULT`` planted (A) vs the 910B one with ``faults`` planted in the stand-in."""
+    need("h20"), need("910b")
+    root = tmp_path_factory.mktemp("two-paths-sub")
+    return Judged(root, capture("H20", root / "h20", {"ORACLE_CAPTURE_MODULES": SUB_MODULES, "SWIFT_PEER_FAULT": MLP_FAULT}),
+                  lambda faults, folder: capture("910B", folder, {"ORACLE_CAPTURE_MODULES": SUB_MODULES,
+                                                                  **({"TORCH_NPU_STANDIN_FAULTS": faults} if faults else {})}))

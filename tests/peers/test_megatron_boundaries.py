@@ -1,8 +1,9 @@
-"""Module boundaries of a real megatron-core 0.12.1 step (tests/megatron_peer.py, CPU, gloo), recorded
+r"""Module boundaries of a real megatron-core 0.12.1 step (tests/megatron_peer.py, CPU, gloo), recorded
 with ``capture_rank(modules=record_modules(model, "layers"))``, merged onto transformers' Qwen3
 decoder layers (oracle/integrations/megatron/boundaries.py) and replayed locally: honest layers
 within their band at TP 1, TP 2 + SP (each rank's s/TP rows concatenated) and packed; a gradient
-scaled in one MLP found at that layer."""
+scaled in one MLP found at that layer. Sub-module boundaries (``decoder\.layers\.\d+\..*``, as the judge
+advises) merge onto the HF attention, MLP, norms and q/k norms and name the MLP whose backward is wrong."""
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from oracle.score.local import score_local
 
 LAYERS = ["model.layers.0", "model.layers.1"]
 RUNS = {"tp1": {"tp": 1, "sp": False}, "tp2sp": {"tp": 2, "sp": True}, "packed": {"tp": 1, "sp": False, "packed": True},
-        "fault": {"tp": 2, "sp": True, "fault": (1, 1.01)}}  # fmt: skip
+        "fault": {"tp": 2, "sp": True, "fault": (1, 1.01)},
+        "sub": {"tp": 2, "sp": True, "fault": (1, 1.01), "fault_inside": True, "modules": r"decoder\.layers\.\d+\..*"}}  # fmt: skip
+SUB = ["self_attn", "self_attn.q_norm", "self_attn.k_norm", "mlp", "input_layernorm", "post_attention_layernorm"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron-boundaries")
     out = {}
     for name, opts in RUNS.items():
-        run_peer(str(root / name), vocab=200, divisible_by=128, modules="layers", **opts)
+        run_peer(str(root / name), vocab=200, divisible_by=128, **{"modules": "layers", **opts})
         cap = merge_ranks([root / name / "pre"], root / f"{name}.cap", recipe="qwen3")
         out[name] = (str(cap), score_local(replay_local(cap, root / f"{name}.local")))
     return out
@@ -62,6 +65,24 @@ def test_a_gradient_scaled_in_one_mlp_is_found_at_that_layer(runs):
     assert s["culprits"] == ["model.layers.1"] and s["verdict"]["direction"] == "backward"
     assert rows["model.layers.1"]["ratio"] > 1000 and rows["model.layers.1"]["inherited"] < 1e-5
     assert not rows["model.layers.0"]["beyond"] and rows["model.layers.0"]["inherited"] > 1e-4
+
+
+def test_sub_module_boundaries_merge_and_name_the_mlp_whose_backward_is_wrong(runs):
+    """Every decoder layer's attention, MLP, norms and q/k norms recorded (TP 2 + SP; q/k norms hold each rank's
+    heads) merge onto the HF modules, the rest named unmapped with the reason; layer 1's MLP scaling the gradient
+    inside its own backward (between linear_fc2 and the activation, its grad_output right): the local replay
+    names model.layers.1.mlp, backward, and every other sub-module within its band."""
+    cap, s = runs["sub"]
+    b = Bundle(cap)
+    want = sorted(f"model.layers.{i}.{m}" for i in (0, 1) for m in SUB)
+    assert sorted(b.get("modules")) == want
+    assert b.get("modules")["model.layers.0.self_attn.q_norm"]["megatron"]["heads_concat"]
+    unmapped = {u["module"]: u["why"] for u in b.get("megatron")["boundaries"]["unmapped"]}
+    assert "decoder.layers.0.mlp.linear_fc1" in unmapped and "decoder.layers.1.self_attention.core_attention" in unmapped
+    assert s["culprits"] == ["model.layers.1.mlp"] and s["verdict"]["direction"] == "backward", s["verdict"]
+    rows = {r["module"]: r for r in s["modules"]}
+    assert rows["model.layers.1.mlp"]["ratio"] > 1000
+    assert all(r["ratio"] < 1.0 for m, r in rows.items() if m != "model.layers.1.mlp"), [(m, r["ratio"]) for m, r in rows.items()]
 
 
 def test_module_selection_presets_regexes_and_errors():

@@ -4,7 +4,25 @@ the recipe's replay runs, so that ``oracle replay --local`` replays them teacher
 Which modules map: the recipe's ``megatron_modules`` table (mcore module template -> HF module, e.g.
 ``language_model.decoder.layers.{i}`` -> ``model.language_model.layers.{i}``, ``{i}`` made global
 by the pipeline stage's layer offset) for mcore TransformerLayers, whose call the recipe rebuilds
-in the HF layer's form (``Recipe.megatron_layer_call``). The boundary is the same function on both
+in the HF layer's form (``Recipe.megatron_layer_call``), and for the sub-modules of a layer that are
+one HF module each (``ROLES``, by the mcore name below the layer):
+
+  self_attention     -> the HF attention (``self_attn``): called as the layer is (hidden states after the
+                        input norm, the rotary (cos, sin), the step's mask), its output the attention's
+                        output before the residual (mcore's (output, bias): the output)
+  mlp, input_layernorm, pre_mlp_layernorm
+                     -> ``mlp``, ``input_layernorm``, ``post_attention_layernorm``: one [s, b, h] input,
+                        gathered like the layer's hidden states (SP: each rank's s/TP rows)
+  self_attention.q_layernorm, .k_layernorm
+                     -> ``self_attn.q_norm``, ``self_attn.k_norm``: [s, b, heads/TP, d] per TP rank, every
+                        rank its own heads (query heads, or KV groups, in TP-rank order): concatenated along
+                        the heads, then [b, s, heads, d]
+
+Where the input norm is fused into linear_qkv / linear_fc1 (TransformerEngine's spec, MindSpeed's:
+``layer_norm_weight`` parameters), ``self_attention`` and ``mlp`` receive the hidden states before the
+norm, a boundary no single HF module has, and the norm modules are weightless identities: they are
+named unmapped (only the q/k norms map there). Linear layers (TP shards of fused
+tensors), the attention kernel and rotary (a function in mcore, not a module) are not mapped either. The boundary is the same function on both
 sides: mcore's layer is input norm (fused into linear_qkv under TE / MindSpeed, a module of its own
 in the local spec), attention with the rotary embedding applied inside, residual, pre-MLP norm,
 MLP, residual; so is the HF layer. Qwen3-VL's deepstack features are added after the layer on
@@ -45,7 +63,12 @@ from .names import NameMap, strip_wrappers
 
 AGREEMENT = 1e-6  # TP copies of a replicated boundary tensor must agree to this (relative L2)
 _UNSUPPORTED = ("context", "context_mask", "attention_bias", "rotary_pos_cos", "rotary_pos_sin")
-_LAYER = re.compile(r"(decoder\.layers\.)(\d+)$")
+_LAYER = re.compile(r"(decoder\.layers\.)(\d+)(?=$|\.)")
+_BELOW = re.compile(r"decoder\.layers\.\d+(?:\.(.+))?$")
+#: mcore name below a decoder layer -> how its boundary is merged ("" the layer itself)
+ROLES = {"": "layer", "self_attention": "attention", "mlp": "hidden", "input_layernorm": "hidden",
+         "pre_mlp_layernorm": "hidden", "self_attention.q_layernorm": "heads", "self_attention.k_layernorm": "heads"}  # fmt: skip
+_FUSED = {"self_attention": "linear_qkv", "mlp": "linear_fc1"}  # TE / MindSpeed fuse the input norm into these
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,8 +94,10 @@ class _Unmapped(Exception):
     pass
 
 
-def _gather(ranks: list, group: str, key: str, sp: bool, what: str) -> torch.Tensor:
+def _gather(ranks: list, group: str, key: str, sp: bool, what: str, heads: bool = False) -> torch.Tensor:
     shards = [b.load(group, key) for b in ranks]
+    if heads and len(shards) > 1:
+        return torch.cat(shards, 2)  # [s, b, heads/TP, d] per rank, each its own heads in TP-rank order
     if sp and len(shards) > 1:
         return torch.cat(shards, 0)  # [s/TP, b, h] per rank, TP-rank order along s
     for r, t in enumerate(shards[1:], 1):
@@ -81,9 +106,30 @@ def _gather(ranks: list, group: str, key: str, sp: bool, what: str) -> torch.Ten
     return shards[0]
 
 
+def _role(name: str, ranks: list) -> str:
+    """How ``name``'s boundary merges (``ROLES``); _Unmapped for a sub-module no single HF module matches."""
+    below = (_BELOW.search(name)[1] or "") if _BELOW.search(name) else None
+    if below is None:
+        raise _Unmapped("only decoder layers (TransformerLayer) and their sub-modules are mapped onto HF modules")
+    if below not in ROLES:
+        raise _Unmapped(f"{below} inside a decoder layer is not mapped: linear layers hold TP shards of fused tensors, "
+                        f"the attention kernel and rotary have no HF module of their own; mapped: "
+                        f"{', '.join(k for k in ROLES if k)}")  # fmt: skip
+    grads = ranks[0].names("grads")
+    fused = _FUSED.get(below)
+    if fused and any(n.endswith(f"{below}.{fused}.layer_norm_weight") for n in grads):
+        raise _Unmapped(f"its input norm is fused into {fused} (TransformerEngine / MindSpeed spec): it receives the "
+                        "hidden states before the norm, a boundary no single HF module has; capture the whole layer")  # fmt: skip
+    if below.endswith("layernorm") and not any(n.endswith(f"{below}.weight") for n in grads):
+        raise _Unmapped("it has no weight: an identity where the spec fuses the norm into the next linear layer "
+                        "(TransformerEngine / MindSpeed); capture the whole layer")  # fmt: skip
+    return ROLES[below]
+
+
 def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Tensor], recipe, seq: int) -> tuple[dict, dict]:
     m0 = ranks[0].manifest
     meta = m0["modules"][name]
+    role = _role(name, ranks)
     leaves = ((m0["megatron"].get("modules") or {}).get("leaves") or {}).get(name)
     if not leaves:
         raise _Unmapped("the rank bundle names no input leaves for it (capture_rank(modules=) writes them)")
@@ -92,23 +138,30 @@ def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Te
     for key in _UNSUPPORTED:
         if key in leaves and f"in.{leaves[key]}" in stored[0]:
             raise _Unmapped(f"the layer was called with a {key} tensor, which the HF layer's call has no place for")
-    if "hidden_states" not in leaves:
+    main = "hidden_states" if "hidden_states" in leaves else "arg0"
+    if main not in leaves:
         raise _Unmapped("no hidden_states input recorded")
-    h, r = leaves["hidden_states"], leaves.get("rotary_pos_emb")
+    if any(k.startswith("out.") and k != "out.0" and k in stored[0] for k in stored[0]):
+        raise _Unmapped("it returned a second tensor (a bias returned apart: add_bias_linear), which the HF module adds itself")
+    h, r = leaves[main], leaves.get("rotary_pos_emb")
     need = [f"in.{h}", "out.0", "gout.0"]
     for rank, have in enumerate(stored):
         miss = [k for k in need if k not in have]
         if miss:
             raise _Unmapped(f"TP rank {rank} recorded no {', '.join(miss)} for it (over the capture budget, or not called)")
-    x = _gather(ranks, group, f"in.{h}", sp, "hidden_states")
-    y = _gather(ranks, group, "out.0", sp, "output")
-    gy = _gather(ranks, group, "gout.0", sp, "grad_output")
-    gx = _gather(ranks, group, f"gin.{h}", sp, "grad_input") if all(f"gin.{h}" in s for s in stored) else None
-    if x.dim() != 3 or x.shape[0] != seq:
-        raise _Unmapped(f"hidden_states of shape {tuple(x.shape)} is not [s={seq}, b, h] after merging the TP ranks")
-    x, y, gy = (t.transpose(0, 1).contiguous() for t in (x, y, gy))  # [s, b, h] -> [b, s, h]
+    heads = role == "heads"
+    x = _gather(ranks, group, f"in.{h}", sp, "hidden_states", heads)
+    y = _gather(ranks, group, "out.0", sp, "output", heads)
+    gy = _gather(ranks, group, "gout.0", sp, "grad_output", heads)
+    gx = _gather(ranks, group, f"gin.{h}", sp, "grad_input", heads) if all(f"gin.{h}" in s for s in stored) else None
+    if x.dim() != (4 if heads else 3) or x.shape[0] != seq:
+        want = f"[s={seq}, b, heads, d]" if heads else f"[s={seq}, b, h]"
+        raise _Unmapped(f"its input of shape {tuple(x.shape)} is not {want} after merging the TP ranks")
+    x, y, gy = (t.transpose(0, 1).contiguous() for t in (x, y, gy))  # [s, b, ...] -> [b, s, ...]
     gx = None if gx is None else gx.transpose(0, 1).contiguous()
     b = x.shape[0]
+    if role in ("hidden", "heads"):  # one tensor in, one out: the HF module's own call
+        return _entry(meta, name, role, sp and len(ranks) > 1 and not heads, ((x,), {}), x, y, gy, gx)
     if r is None or f"in.{r}" not in stored[0]:
         raise _Unmapped("the layer received no rotary_pos_emb tensor; its position embeddings cannot be rebuilt")
     freqs = ranks[0].load(group, f"in.{r}")  # [s, b or 1, 1, d]
@@ -128,7 +181,13 @@ def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Te
         args, kwargs = recipe.megatron_layer_call(x, (cos, sin), inputs, allowed)
     except NotImplementedError:
         raise _Unmapped(f"recipe {recipe.name!r} builds no HF call for a decoder layer (megatron_layer_call)") from None
-    flat, spec = tree_flatten((args, kwargs))
+    return _entry(meta, name, role, sp and len(ranks) > 1, (args, kwargs), x, y, gy, gx)
+
+
+def _entry(meta: dict, name: str, role: str, concat: bool, call: tuple, x, y, gy, gx) -> tuple[dict, dict]:
+    """The HF module's recorded call (capture/modules.py's form): inputs as a pytree of ``call``, the
+    output, its gradient and the gradient of the input ``x``."""
+    flat, spec = tree_flatten(call)
     hidx = next(i for i, v in enumerate(flat) if v is x)
     tensors = {f"in.{i}": v for i, v in enumerate(flat) if isinstance(v, torch.Tensor)}
     tensors.update({"out.0": y, "gout.0": gy})
@@ -138,7 +197,8 @@ def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Te
         "calls": meta.get("calls", 1), "order": meta.get("order"), "in_spec": treespec_dumps(spec),
         "in_static": {str(i): v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor) and isinstance(v, JSONABLE)},
         "grad_in": [hidx] if gx is not None else [], "grad_out": [0],
-        "megatron": {"module": name, "call": "decoder_layer", "sequence_parallel_concat": bool(sp and len(ranks) > 1)},
+        "megatron": {"module": name, "call": {"layer": "decoder_layer"}.get(role, role),
+                     "sequence_parallel_concat": bool(concat), "heads_concat": role == "heads"},
     }  # fmt: skip
     for k in ("no_grad_calls", "recomputed_calls"):
         if k in meta:
@@ -181,12 +241,11 @@ def merge_boundaries(
                     raise _Unmapped(f"recorded on some TP ranks of stage {p} only")
                 if names is None:
                     raise _Unmapped(f"recipe {recipe.name!r} has no megatron_modules table")
+                _role(gname, ranks)  # a module no single HF module matches: unmapped, with why
                 try:
                     hf = names.to_hf(gname)[0]
                 except RecipeError:
                     raise _Unmapped(f"recipe {recipe.name!r} maps no HF module to it (megatron_modules)") from None
-                if not _LAYER.search(gname):
-                    raise _Unmapped("only decoder layers (TransformerLayer) are mapped onto HF modules")
                 entry, tensors = _layer(name, hf, ranks, sp, inputs, recipe, seq)
             except _Unmapped as e:
                 record["unmapped"].append({"module": gname, "why": str(e)})

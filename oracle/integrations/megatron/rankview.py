@@ -25,7 +25,7 @@ handled the same way, whatever its formula.
 Replicated transformers modules whose gradients the framework never reduced (merge's
 ``unreduced``: ms-swift slices Qwen3-VL's deepstack features per SP rank) are projected as rank
 r's own partial truth: the float64 step replayed once more with the injected features' gradient
-restricted to r's sequence chunk (``_injected_partials``), like for like with what r held.
+restricted to r's sequence chunk (``injected_partials``), like for like with what r held.
 
 Scaling: with calculate_per_token_loss a pre-finalize gradient is of the SUM of token losses and
 post-finalize of the MEAN; the oracle's own reduction is converted with its token count.
@@ -92,9 +92,11 @@ def _norm_partials(oracle: Bundle, modules: dict[str, str], *, tp: int, seq_pad:
     return out
 
 
-def _injected_partials(oracle: Bundle, names: list[str], *, tp: int, rank: int, seq_pad: int | None) -> dict[str, torch.Tensor]:
+def injected_partials(oracle: Bundle, names: list[str], *, tp: int, rank: int, seq_pad: int | None,
+                      dtype: str = "fp64", jitter_seed: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """HF name -> rank ``rank``'s own gradient of a replicated parameter whose injected features the
-    framework sliced per SP rank (replicas.py): the float64 step replayed with those features'
+    framework sliced per SP rank (replicas.py): the step replayed (``dtype``: float64, or an emulated
+    band member with its ``jitter_seed``, as ``replay --ensemble`` runs it) with those features'
     gradient restricted to the rank's sequence chunk (positions [r S_pad/TP, (r+1) S_pad/TP)), the
     main path whole (recipe.restrict_injected). {} when the recipe injects nothing."""
     recipe = recipe_of(oracle)
@@ -108,7 +110,7 @@ def _injected_partials(oracle: Bundle, names: list[str], *, tp: int, rank: int, 
         keep[:, rank * chunk : min((rank + 1) * chunk, t)] = True  # (B, T): this rank's chunk
         applied.append(recipe.restrict_injected(model, keep))
 
-    model, _, _, _ = run_step(oracle, "fp64", instrument=instrument)
+    model, _, _, _ = run_step(oracle, dtype, jitter_seed=jitter_seed, instrument=instrument)
     if not applied or not applied[0]:
         return {}
     params = dict(model.named_parameters())
@@ -141,6 +143,20 @@ def recorded_layout(oracle: Bundle, **flags: Any) -> tuple[dict[str, Any], list[
     return out, warnings
 
 
+def loss_scale(oracle: Bundle, lay: dict[str, Any]) -> float:
+    """The factor from the oracle's loss reduction to the one a rank held at ``lay``'s stage: the SUM
+    of token losses before finalize with calculate_per_token_loss, else the MEAN."""
+    meg = oracle.get("megatron") or {}
+    loss = oracle.get("loss") or {}
+    n_tok = loss.get("num_tokens") or meg.get("num_tokens")
+    want = "sum" if lay["calculate_per_token_loss"] and lay["stage"] == "pre-finalize" else "mean"
+    if loss.get("reduction") == want:
+        return 1.0
+    if not n_tok:
+        raise BundleError(f"{oracle.path} records no token count: cannot turn its {loss.get('reduction')} loss into a {want}")
+    return float(n_tok) if want == "sum" else 1.0 / float(n_tok)
+
+
 def rank_view(
     oracle_path: str | Path, *, rank: int = 0, pp_rank: int = 0, tp_size: int | None = None,
     sequence_parallel: bool | None = None, stage: str | None = None, calculate_per_token_loss: bool | None = None,
@@ -164,14 +180,7 @@ def rank_view(
     vocab_rows = None
     if tp != meg.get("tp_size") and vocab.get("true"):
         vocab_rows = padded_vocab(vocab["true"], tp, vocab.get("divisible_by") or 128)
-    loss = oracle.get("loss") or {}
-    n_tok = loss.get("num_tokens") or meg.get("num_tokens")
-    want = "sum" if lay["calculate_per_token_loss"] and stage_ == "pre-finalize" else "mean"
-    scale = 1.0
-    if loss.get("reduction") != want:
-        if not n_tok:
-            raise BundleError(f"{oracle.path} records no token count: cannot turn its {loss.get('reduction')} loss into a {want}")
-        scale = float(n_tok) if want == "sum" else 1.0 / float(n_tok)
+    scale = loss_scale(oracle, lay)
     grads = {n: oracle.load("grads", n) for n in oracle.names("grads")}
     entries = {m.get("local", g): m for g, m in meg["mapping"].items() if m.get("pp_rank", 0) == pp_rank}
     partial_modules: dict[str, str] = {}
@@ -184,7 +193,7 @@ def rank_view(
     injected: dict[str, torch.Tensor] = {}
     if meg.get("unreduced") and tp > 1 and sp:  # the framework left per-rank partial gradients (replicas.py)
         replicas = [m["hf"][0] for m in entries.values() if m["kind"] == "replica"]
-        injected = _injected_partials(oracle, replicas, tp=tp, rank=rank, seq_pad=seq_len_padded)
+        injected = injected_partials(oracle, replicas, tp=tp, rank=rank, seq_pad=seq_len_padded)
     view: dict[str, torch.Tensor] = {}
     for mname, m in entries.items():
         hf = m["hf"]
@@ -249,4 +258,4 @@ def compare_logs(view: dict[str, torch.Tensor], logs, labels) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["rank_view", "recorded_layout", "compare_rank", "compare_logs", "log_rows"]
+__all__ = ["rank_view", "recorded_layout", "injected_partials", "loss_scale", "compare_rank", "compare_logs", "log_rows"]

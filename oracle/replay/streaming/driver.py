@@ -85,7 +85,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
             promotions += rec["promotions"]
             resumed = True
             continue
-        mode = PrecisionMode(compute, round_to, ops, jitter_seed=None if k == 0 else 1000 + k, device_type=cap.capture_device())
+        mode = PrecisionMode(compute, round_to, ops, jitter_seed=precisions.member_seed(k), device_type=cap.capture_device())
         build_mode = PrecisionMode(compute)
         engine = StreamEngine(cap, recipe, mode, build_mode, compute, work, budget=None, member=member,
                               progress=progress and distributed.is_main(),
