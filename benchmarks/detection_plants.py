@@ -194,7 +194,7 @@ def _leak_rows(q, k, v, bounds):
         if bounds[i + 1] - p < 2 or p - prev < 2:  # the SP pad singleton: no sample to leak into or from
             continue
         qp = q[p].float()  # (np, hn)
-        ks, vs = (t[prev:p + 1].float().repeat_interleave(rep, dim=1) for t in (k, v))  # (L, np, hn)
+        ks, vs = (t[prev : p + 1].float().repeat_interleave(rep, dim=1) for t in (k, v))  # (L, np, hn)
         probs = (torch.einsum("hd,lhd->hl", qp, ks) / math.sqrt(q.shape[-1])).softmax(-1)  # (np, L)
         outs.append(torch.einsum("hl,lhd->hd", probs, vs))
         rows.append(p)

@@ -74,10 +74,14 @@ QUICK_HONEST = [(SEED, 1, "bf16", "bf16"), (1, 1, "bf16", "bf16"), (SEED, 1, "fp
 
 # -- the judge's answer: the one place that reads its JSON --------------------------------------------
 def verdict(doc: dict) -> dict:
-    """{"faulty": [runs called faulty], "born": {run: (module, direction)}, "headline": first line}."""
+    """{"faulty": [runs called faulty], "born": {run: (module, direction)}, "headline": first line,
+    "left_out": {run: [gradients left out of the verdict]}} (today: those the framework never reduced)."""
     ans = doc.get("answers") or {}
     born = {r["run"]: (r.get("module"), r.get("direction")) for r in (ans.get("born") or {}).get("per_run") or []}
-    return {"faulty": list((ans.get("noise") or {}).get("faulty") or []), "born": born, "headline": doc.get("headline", "")}
+    fw = ans.get("framework") or {}
+    left = {run: sorted({*(fw.get("shared") or []), *only}) for run, only in (fw.get("only") or {}).items()}
+    faulty = list((ans.get("noise") or {}).get("faulty") or [])
+    return {"faulty": faulty, "born": born, "headline": doc.get("headline", ""), "left_out": left}
 
 
 def layer_key(module: str | None) -> tuple | None:
@@ -162,20 +166,23 @@ def judge(a: Path, b: Path, names: list[str], work: Path) -> dict:
     return json.loads(report.read_text())
 
 
-def effect(doc: dict, run: str, planted: Path, honest: Path) -> tuple[float, str]:
+def effect(doc: dict, run: str, planted: Path, honest: Path, left_out=()) -> dict:
     """The plant's largest gradient effect relative to the honest spread, and its parameter:
-    max over parameters of ||g_planted - g_honest|| / ||g_truth|| / band."""
+    max over parameters of ||g_planted - g_honest|| / ||g_truth|| / band; over the gradients the verdict
+    judges (``effect``) and over all of them (``effect_all``: ``left_out`` too)."""
     from oracle.bundle.store import Bundle
 
     rows = {p["name"]: p for c in doc["score"]["captures"] if c["name"] == run for p in c["params"]}
-    hb, best = Bundle(honest), (0.0, "")
+    hb, judged, every = Bundle(honest), (0.0, ""), (0.0, "")
     for name, g in Bundle(planted).iter_group("grads"):
         r = rows.get(name)
         if not r or not r.get("band") or not r.get("ref_norm"):
             continue
         e = float((g.double() - hb.load("grads", name).double()).norm()) / r["ref_norm"] / r["band"]
-        best = max(best, (e, name))
-    return best
+        every = max(every, (e, name))
+        if name not in left_out:
+            judged = max(judged, (e, name))
+    return {"effect": judged[0], "effect_param": judged[1], "effect_all": every[0], "effect_all_param": every[1]}
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -186,8 +193,13 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", nargs="+", choices=["H20", "910B"], help="the planted paths (quick: 910B; full: both)")
     ap.add_argument("--families", nargs="+", help="only these families (scale swiglu attention rotary bf16acc)")
     ap.add_argument("--honest", type=int, help="only the first N honest pairs")
+    ap.add_argument("--combine", nargs="+", type=Path, help="no run: these runs' detection_power.json as one, written to OUT")
     o = ap.parse_args(argv)
-    missing = [f"{p}: build it with bash .ci/{'swift' if p == 'H20' else 'mindspeed'}-env" for p, v in VENVS.items() if not v.exists()]
+    if o.combine:
+        return combine(o.combine, o.out)
+    missing = [
+        f"{p}: build it with bash .ci/{'swift' if p == 'H20' else 'mindspeed'}-env" for p, v in VENVS.items() if not v.exists()
+    ]
     if missing:
         print("detection_power: the pinned environments are not built: " + "; ".join(missing), file=sys.stderr)
         return 2
@@ -214,7 +226,10 @@ def main(argv=None) -> int:
         row = {"pair": tag, "seed": seed, "microbatches": mb, "dtypes": [da, db], "alarm": bool(v["faulty"]),
                "headline": v["headline"], "seconds": round(time.time() - t0, 1)}  # fmt: skip
         doc["honest"].append(row)
-        print(f"  {tag:28} {'FALSE ALARM' if row['alarm'] else 'honest':12} {row['seconds']:6.0f} s  {v['headline'][:150]}", flush=True)
+        print(
+            f"  {tag:28} {'FALSE ALARM' if row['alarm'] else 'honest':12} {row['seconds']:6.0f} s  {v['headline'][:150]}",
+            flush=True,
+        )
     t_honest = time.time()
 
     ref = o.out / "ref"
@@ -243,13 +258,14 @@ def main(argv=None) -> int:
                     doc["failed"].append({**row, "error": str(e)[-2000:]})
                     continue
                 v = verdict(d)
-                eff, at = effect(d, path, work / f"merge-{path}", ref / path)
-                row.update(effect=eff, effect_param=at, right=called_right(v, path, key, direction), alarm=path in v["faulty"],
+                row.update(effect(d, path, work / f"merge-{path}", ref / path, set(v["left_out"].get(path, ()))))
+                eff = row["effect"]
+                row.update(right=called_right(v, path, key, direction), alarm=path in v["faulty"],
                            born=v["born"].get(path), headline=v["headline"], capture_s=round(t1 - t0, 1),
                            judge_s=round(time.time() - t1, 1))  # fmt: skip
                 doc["plants"].append(row)
                 shutil.rmtree(pdir / "raw", ignore_errors=True)
-                print(f"  {fam:9} {str(target):45} {direction:8} s={s:<6g} effect {eff:8.2f}x  "
+                print(f"  {fam:9} {str(target):45} {direction:8} s={s:<6g} effect {eff:7.2f}x (all {row['effect_all']:.2f}x)  "
                       f"{'RIGHT' if row['right'] else 'wrong':5} {row['capture_s']:4.0f}+{row['judge_s']:3.0f} s  "
                       f"{v['headline'][:110]}", flush=True)  # fmt: skip
     doc["seconds"] = {"honest": round(t_honest - t_start, 1), "plants": round(time.time() - t_honest, 1),
@@ -259,6 +275,20 @@ def main(argv=None) -> int:
     (o.out / "detection_power.json").write_text(json.dumps(doc, indent=1))
     plot(doc, o.out / "detection_power.png")
     print(f"wrote {o.out / 'detection_power.json'} and {o.out / 'detection_power.png'}")
+    return 0
+
+
+def combine(files: list[Path], out: Path) -> int:
+    """Several runs' numbers (e.g. one per planted path) as one table, JSON and plot."""
+    docs = [json.loads(Path(f).read_text()) for f in files]
+    doc = {"mode": "+".join(d["mode"] for d in docs), "machine": [d["machine"] for d in docs],
+           **{k: [r for d in docs for r in d.get(k, [])] for k in ("honest", "plants", "failed")},
+           "seconds": {k: sum(d["seconds"][k] for d in docs) for k in ("honest", "plants", "total")}}  # fmt: skip
+    doc["summary"] = summary(doc)
+    print_summary(doc)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "detection_power.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / "detection_power.png")
     return 0
 
 
@@ -292,7 +322,9 @@ def print_summary(doc: dict) -> None:
           f"(target: 0 on >= 20)   |   called right (run, layer, direction) per family and strength:")  # fmt: skip
     print(f"  {'family, strength':22} {'plants':>6} {'right':>6} {'share':>6}   effect (x honest spread)")
     for k, v in s["per_family_strength"].items():
-        print(f"  {k:22} {v['plants']:>6} {v['right']:>6} {v['right'] / v['plants']:>6.0%}   {v['effect_min']:.2f}-{v['effect_max']:.2f}")
+        print(
+            f"  {k:22} {v['plants']:>6} {v['right']:>6} {v['right'] / v['plants']:>6.0%}   {v['effect_min']:.2f}-{v['effect_max']:.2f}"
+        )
     e = s["effect_ge_2"]
     share = "n/a" if e["share"] is None else f"{e['share']:.0%}"
     print(f"  plants of effect >= 2x: {e['right']}/{e['plants']} called right = {share} (target >= 90 %)")
@@ -302,6 +334,7 @@ def print_summary(doc: dict) -> None:
 
 def plot(doc: dict, png: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -322,6 +355,7 @@ def plot(doc: dict, png: Path) -> None:
     ax.plot(xs, ys, "k-", label="share called right (binned)")
     ax.axvline(2, color="grey", ls=":")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_ylim(-0.15, 1.15)
     ax.set_xlabel("plant's largest gradient effect / honest spread (band)")
     ax.set_ylabel("called right (run, layer, direction)")
