@@ -284,6 +284,8 @@ def combine(files: list[Path], out: Path) -> int:
     doc = {"mode": "+".join(d["mode"] for d in docs), "machine": [d["machine"] for d in docs],
            **{k: [r for d in docs for r in d.get(k, [])] for k in ("honest", "plants", "failed")},
            "seconds": {k: sum(d["seconds"][k] for d in docs) for k in ("honest", "plants", "total")}}  # fmt: skip
+    for r in doc["plants"]:  # a run of before the judged/all split measured all gradients
+        r.setdefault("effect_all", r["effect"])
     doc["summary"] = summary(doc)
     print_summary(doc)
     out.mkdir(parents=True, exist_ok=True)
