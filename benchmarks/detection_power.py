@@ -358,6 +358,7 @@ def plot(doc: dict, png: Path) -> None:
     ax.axvline(2, color="grey", ls=":")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(-0.15, 1.15)
     ax.set_xlabel("plant's largest gradient effect / honest spread (band)")
     ax.set_ylabel("called right (run, layer, direction)")
