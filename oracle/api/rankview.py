@@ -80,7 +80,7 @@ def rank_view(opts: RankViewOptions, echo: Echo = print, warn: Echo | None = Non
         echo(rankview.compare_logs(view, parsed, labels))
         doc["logs"] = rankview.log_rows(view, parsed, labels)
     if json_out:
-        from ..bundle.jsonio import write_json
+        from ..bundle.atomic_file import write_json
 
         with writing("--json", json_out):
             write_json(doc, json_out)

@@ -16,7 +16,7 @@ Echo = Callable[[str], None]
 
 def write_outputs(result: dict[str, Any], json_out: str | None, report: str | None, write_report: Callable, echo: Echo) -> None:
     """``--json`` (the result, non-finite numbers as null) and ``--report`` (``write_report(result, dir)``)."""
-    from ..bundle.jsonio import write_json
+    from ..bundle.atomic_file import write_json
     from ..report.outputs import writing
 
     if json_out:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 from . import atomic
+from .jsonio import dumps
 
 
 def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -37,6 +39,11 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def write_json(obj: Any, path: str | os.PathLike) -> Path:
+    """``obj`` as strict JSON (``jsonio.dumps``), written atomically (a full disk or a kill leaves the old file whole)."""
+    return write_file(path, dumps(obj) + "\n")
 
 
 def _sweep(parent: Path) -> None:

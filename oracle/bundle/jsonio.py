@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
-
-from .atomic_file import write_file
 
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -47,7 +44,3 @@ def dumps(obj: Any, **kw) -> str:
         clean["nonfinite_as_null"] = count[0]
     return json.dumps(clean, allow_nan=False, indent=1, **kw)
 
-
-def write_json(obj: Any, path: str | Path) -> Path:
-    """``obj`` as strict JSON, written atomically (a full disk or a kill leaves the old file whole)."""
-    return write_file(path, dumps(obj) + "\n")

@@ -256,7 +256,7 @@ def compare_logs(
 
     Example: oracle compare-logs h20_rank0.log 910b_rank0.log --name H20 --name 910B
     """
-    from oracle.bundle.jsonio import write_json
+    from oracle.bundle.atomic_file import write_json
     from oracle.integrations import normlog
 
     if len(logs) != 2:

@@ -648,7 +648,7 @@ def judge_logs(log_a: Path, log_b: Path, names: list[str] | None, out: Path | No
            # above answers that, and what the logs cannot tell is listed once, in cannot_conclude
            "compare_text": normlog.render_compare(dict(cmp, summary="\n".join(shows)))}  # fmt: skip
     if out is not None:
-        from ..bundle.jsonio import write_json
+        from ..bundle.atomic_file import write_json
 
         try:
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from ..bundle.atomic_file import write_file
-from ..bundle.jsonio import write_json
+from ..bundle.atomic_file import write_file, write_json
 
 CSV_FIELDS = ["capture", "precision", "name", "layer", "rel_l2", "cosine", "norm_ratio", "max_abs",
               "frac_rel_gt_1e-3", "nonfinite", "band", "excess", "class"]  # fmt: skip

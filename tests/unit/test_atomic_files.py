@@ -13,7 +13,7 @@ import pytest
 from helpers import invoke
 
 from oracle.bundle import atomic, atomic_file
-from oracle.bundle.jsonio import write_json
+from oracle.bundle.atomic_file import write_json
 from oracle.errors import OutputError
 
 
