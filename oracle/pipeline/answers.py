@@ -1,7 +1,8 @@
 """The four questions of a cross-device comparison, answered in words from the stages' results.
 
-1. bug or honest noise?  per run, its own verdict against the band of its own precision
-   (``score``: excess = rel_l2 / band per layer, beyond when excess > margin); beside it, per layer,
+1. bug or honest noise?  per run, the one decision (``decide.py``: every parameter, layer and locally
+   replayed module against the threshold calibrated on its members, ``score/calibrate.py``, after the
+   framework's own findings); the first line and answer 3 render the same decision; beside it, per layer,
    the analytic round-off bound k C^n u (``score/bound.py``: rel_l2 <= bound, no margin), and where
    the two part (beyond the bound but within the band, or the reverse) it is said; the band rules;
 2. which run is farther from the truth?  per layer, the run with the larger rel_l2 loses it
@@ -65,8 +66,9 @@ def noise(score: dict[str, Any], decision: dict[str, Any] | None = None) -> dict
         rows.append({"run": d["run"], "precision": c["precision"], "class": d["class"], "honest": d["honest"],
                      "band": c.get("band_kind"), "excess": (d["worst"] or {}).get("excess"), "threshold": thr["value"],
                      "rule": thr.get("rule"), "called": [x["name"] for x in d["calls"]],
-                     "limits": d["limits"], "text": c["verdict"].get("text", "")})  # fmt: skip
-        said.append(run_text(d, c.get("band_kind")))
+                     "limits": d["limits"], "text": run_text(d, c.get("band_kind")),
+                     "score_text": c["verdict"].get("text", "")})  # fmt: skip
+        said.append(rows[-1]["text"])
     faulty = decision["faulty"]
     return {"per_run": rows, "faulty": faulty, "text": "; ".join(said), "band": band_meaning(score)}
 
@@ -489,11 +491,9 @@ def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None, dec
     for run in faulty:
         b = next((r for r in born_a["per_run"] if r["run"] == run), {})
         o = next((r for r in ops["per_run"] if r["run"] == run), {})
-        d = next((x for x in per if x["run"] == run), None)
         where = f"born in {b['module']} ({b.get('direction') or 'direction unknown'})" if b.get("module") else "not localised"
         cls = o.get("class") or (f"undetermined ({o['short']}; see 4.)" if o.get("short") else "undetermined")
-        what = f" ({decide_mod.call_text(d, 2)})" if d and d["calls"] else ""
-        parts.append(f"{run} is faulty (beyond its own noise band{what}); {where}; op class: {cls}")
+        parts.append(f"{run} is faulty (beyond its own noise band); {where}; op class: {cls}")
     return "answer: " + "; ".join(parts) + tail
 
 

@@ -91,7 +91,7 @@ def test_a_fault_a_few_times_the_noise_in_one_parameter_of_an_honest_layer_is_ca
     b = d["per_run"][1]
     layer0 = next(r for r in b["layers"] if r["name"] == "model.layers.0")
     assert layer0["class"] == "within_noise" and [x["name"] for x in b["calls"]] == [target]
-    assert d["faulty"] == ["B"] and head.startswith(f"answer: B is faulty (beyond its own noise band ({target} ")
+    assert d["faulty"] == ["B"] and head.startswith("answer: B is faulty (beyond its own noise band); born in model.layers.0.mlp")
     assert "B: NOT honest noise" in a1["text"] and target in a1["text"]
     assert a3["per_run"][1]["module"] == "model.layers.0.mlp" and a3["per_run"][0]["module"] is None
 

@@ -151,4 +151,4 @@ def test_parameters_beyond_the_threshold_inside_layers_within_theirs_make_the_ru
     b = answers.born(score, {})
     assert b["per_run"][0]["module"] is None and b["per_run"][1]["module"] == f"{L1}.mlp", b
     head = answers.headline(a, b, {"per_run": []}, decision=answers.decide_mod.decide(score))
-    assert head.startswith(f"answer: 910B is faulty (beyond its own noise band ({L1}.mlp.down_proj.weight 3.40x"), head
+    assert head.startswith(f"answer: 910B is faulty (beyond its own noise band); born in {L1}.mlp"), head
