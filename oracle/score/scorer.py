@@ -23,7 +23,7 @@ every verdict is ``oracle_non_finite``.
 Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
 over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
 
-Verdict of a capture: its class (worst over layers), excess (max over layers), worst layer, and
+Verdict of a capture: its class (beyond when a layer or any parameter is), excess (max over layers), worst layer, and
     onset        the first layer, walking from the loss end, that is beyond noise; with how many of
                  the layers after it stay beyond and the largest excess they reach;
     global_scale c = <g, t> / <g, g> over all parameters; when c != 1 beyond the band and
@@ -443,15 +443,19 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
     nonfinite = sorted((p["name"] for p in params if p["nonfinite"]), key=lambda n: rank.get(n, len(rank)))
     worst = max(layer_rows, key=lambda r: r["excess"])
     key = "norm_dev" if norms_only else "rel_l2"
+    # a layer is out when it is beyond, or any of its parameters is (a fault confined to a few weights
+    # can stay inside its layer's aggregate): the judge's decision (pipeline/decide.py) reads it the same way
+    beyond_in = {p["layer"] for p in params if p["class"] == BEYOND}
+    out = lambda r: r["class"] != WITHIN or r["name"] in beyond_in  # noqa: E731
     onset = None
     for i, lr in enumerate(layer_rows):
-        if lr["class"] != WITHIN:
+        if out(lr):
             after = layer_rows[i + 1 :]
             peak = max([lr] + after, key=lambda r: r["excess"])
             onset = {
                 "layer": lr["name"], "param": _short(lr["first_param"], lr["name"]), "excess": lr["excess"],
                 "param_excess": next(p["excess"] for p in params if p["name"] == lr["first_param"]),
-                "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
+                "stays_out": sum(out(r) for r in after), "after": len(after),
                 "peak_layer": peak["name"], "peak_excess": peak["excess"],
             }  # fmt: skip
             break
@@ -462,7 +466,7 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
         overall_band = max(r["band"] for r in layer_rows)
         explained = agg["rel_l2"] > margin * overall_band and resid <= margin * overall_band
         gs = {"c": c_star, "rel_l2": agg["rel_l2"], "residual_after_scaling": resid, "explains": explained}
-    cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
+    cls = NONFINITE if nonfinite else (BEYOND if any(out(r) for r in layer_rows) else WITHIN)
     what = "norm deviation" if norms_only else "rel L2"
     if cls == NONFINITE:
         where = "first along the backward" if rank else "first in storage order (the oracle has no backward order)"
