@@ -129,6 +129,7 @@ def decide_run(c: dict[str, Any], local: dict[str, Any] | None, run: dict[str, A
                                  f"finalize ({', '.join(kinds)}): never reduced (or reduced twice) across the ranks"})  # fmt: skip
         beyond = []
     out_layers = {p.get("layer") for p in params if p.get("class") == BEYOND} - {p.get("layer") for p in beyond}
+    beyond += [p for p in params if p.get("class") == NONFINITE]  # where non-finite values are, always the device's
     calls = [{"kind": "param", "name": p["name"], "layer": p.get("layer"), "excess": p["excess"]} for p in beyond]
     calls += [{"kind": "layer", "name": r["name"], "layer": r["name"], "excess": r["excess"]} for r in layers
               if r.get("class") == BEYOND and r["name"] not in out_layers]  # fmt: skip

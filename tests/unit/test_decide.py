@@ -179,3 +179,13 @@ def test_the_first_line_answer_1_and_answer_3_never_disagree():
     assert seen == {True, False}
     d = decide.decide({"captures": [partial]})["per_run"][0]
     assert d["honest"] and d["framework"][0]["kind"] == "partial_sums"
+
+
+def test_non_finite_gradients_make_the_run_faulty_and_are_placed():
+    cap = _capture("B", seed=11)
+    row = next(p for p in cap["params"] if p["name"] == "model.layers.1.self_attn.o_proj.weight")
+    row.update(nonfinite=3, excess=math.inf, **{"class": "non_finite"})
+    cap["verdict"]["nonfinite_params"] = [row["name"]]
+    d, a1, a3, _, head = _judge([cap])
+    assert d["per_run"][0]["class"] == "non_finite" and "B: NOT honest noise: non-finite gradients" in a1["text"]
+    assert a3["per_run"][0]["module"] == "model.layers.1.self_attn" and head.startswith("answer: B is faulty")
