@@ -70,7 +70,7 @@ def score_local(
     tol = row(table(tol_overrides), bundle.get("precision"))
     raw = bundle.get("local", [])
     thr = calibrate.threshold([(r.get(f"members_{k}") or [], tol["floor"]) for r in raw for k in KEYS if r.get(k) is not None],
-                              margin=margin)  # fmt: skip
+                              margin=margin, fidelity=calibrate.LOCAL_FIDELITY)  # fmt: skip
     margin = thr["value"]
     rows = [_score_row(dict(r), tol["floor"], margin) for r in raw]
     beyond = [r for r in rows if r["beyond"]]
