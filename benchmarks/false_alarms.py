@@ -9,7 +9,7 @@ its decoder layers and ViT blocks are replayed locally too (``--members`` member
 per capture: the units judged, the members' spread (sigma), the threshold T, the largest excess of the
 honest run (parameter or layer; local row) and whether anything was called; then the false alarms
 (runs with any unit called) and the largest honest excess over all captures: the emulation's
-fidelity (calibrate.FIDELITY is set from it).
+fidelity (calibrate.FIDELITY and LOCAL_FIDELITY are set from it).
 """
 
 from __future__ import annotations
