@@ -61,10 +61,7 @@ def token_ratio(c: float, counts: dict[str, int]) -> str | None:
             if a != b:
                 cands.append((a / b, f"{a}/{b} ({ka} over {kb})"))
     best = min(cands, key=lambda x: abs(c / x[0] - 1), default=None)
-    if best and abs(c / best[0] - 1) <= RATIO_MATCH:
-        return best[1]
-    frac = Fraction(c).limit_denominator(8)
-    return f"{frac}" if abs(c / float(frac) - 1) <= RATIO_MATCH / 10 and frac != 1 else None
+    return best[1] if best and abs(c / best[0] - 1) <= RATIO_MATCH else None
 
 
 def _counts(c: dict[str, Any], run: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, int]:
@@ -82,8 +79,13 @@ def _scale_finding(c: dict[str, Any], run: dict[str, Any], runs: list[dict[str, 
     match = token_ratio(gs["c"], _counts(c, run, runs))
     text = (f"every gradient of {c['name']} is off by one factor: c = {gs['c']:.6g} maps it onto the truth (rel L2 "
             f"{gs['rel_l2']:.2e}, after scaling {gs['residual_after_scaling']:.2e})")  # fmt: skip
-    text += (f"; c matches the token-count ratio {match}: a loss normalised by another token count" if match
-             else ": a loss or gradient scale (loss convention, normalisation)")  # fmt: skip
+    frac = Fraction(gs["c"]).limit_denominator(8)
+    if match:
+        text += f"; c matches the token-count ratio {match}: a loss normalised by another token count"
+    elif frac != 1 and abs(gs["c"] / float(frac) - 1) <= RATIO_MATCH / 10:
+        text += f"; c is {frac}: a factor counted once too often or too few (a sum against a mean over ranks or micro-batches)"
+    else:
+        text += ": a loss or gradient scale (loss convention, normalisation)"
     return {"kind": "scale", "c": gs["c"], "matches": match, "text": text}
 
 

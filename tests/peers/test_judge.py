@@ -385,7 +385,7 @@ def test_a_run_without_inputs_is_scored_against_the_truth_replayed_from_the_othe
 
 @pytest.mark.parametrize(
     "plant,finding",
-    [(lambda n, g: g * 2.0, "loss convention / normalisation mismatch: a global scale explains the error: c = 0.5"),
+    [(lambda n, g: g * 2.0, "every gradient of NPU is off by one factor: c = 0.5 maps it onto the truth"),
      (lambda n, g: g * 2.0 if n.endswith(("layernorm.weight", "norm.weight")) else g,
       "is a partial sum before finalize")],
     ids=["loss-convention", "partial-sums"],
