@@ -29,7 +29,7 @@ class JudgeOptions:
     max_memory: str | None = None
     ensemble: int = BAND_MEMBERS
     members: int = 2
-    margin: float = 3.0
+    margin: float | None = None  # None: the threshold calibrated on the members (score/calibrate.py)
     dp_rank: int | None = None
     nproc: int = 1
     threads: int | None = None

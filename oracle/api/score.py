@@ -46,7 +46,7 @@ class ScoreOptions:
     band: tuple[str, ...] = ()
     json_out: str | None = None
     report: str | None = None
-    margin: float = 3.0
+    margin: float | None = None  # None: the threshold calibrated on the members (score/calibrate.py)
     tol: tuple[str, ...] = ()  #: PRECISION:expected=VALUE or PRECISION:floor=VALUE
     names: tuple[str, ...] | None = None
     top: int = 8

@@ -71,15 +71,16 @@ JsonOut = Annotated[Path | None, typer.Option("--json", help="Write the full res
 Report = Annotated[Path | None, typer.Option(help="Write PNG, CSV, JSON and an HTML page here.")]
 def _finite_margin(value: float) -> float:
     """An infinite (or NaN) margin would pass every parameter unchecked: refused as a usage error."""
-    if value != value or value in (float("inf"), float("-inf")):
+    if value is not None and (value != value or value in (float("inf"), float("-inf"))):
         raise typer.BadParameter(f"{value} is not a finite number (a margin of inf would pass everything)")
     return value
 
 
 Margin = Annotated[
-    float,
+    float | None,
     typer.Option(min=1.0, callback=_finite_margin,
-                 help="Excess over the band above which a parameter, layer or module is beyond noise (finite, >= 1)."),
+                 help="Excess over the band above which a parameter, layer or module is beyond noise (finite, >= 1); "
+                      "default: calibrated on each run's emulated members (1 % family-wise false alarms; docs/limits.md)."),
 ]  # fmt: skip
 Tol = Annotated[list[str] | None, typer.Option("--tol", help="Override the tolerance table: PRECISION:expected=VALUE or PRECISION:floor=VALUE.")]  # fmt: skip
 Names = Annotated[list[str] | None, typer.Option("--name", help="Display names, in order.")]
@@ -123,7 +124,7 @@ def judge(
     max_memory: Annotated[str | None, typer.Option(help="Stream the replays within this memory (16G); resumable.")] = None,
     ensemble: Annotated[int, typer.Option(min=1, help="Members of each run's emulated noise band.")] = BAND_MEMBERS,
     members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
-    margin: Margin = 3.0,
+    margin: Margin = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose batch (all its micro-batches) is the step.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
@@ -223,7 +224,7 @@ def score(
     band: Annotated[list[Path] | None, typer.Option("--band", help="Emulation bundle(s) giving the noise band.")] = None,
     json_out: JsonOut = None,
     report: Report = None,
-    margin: Margin = 3.0,
+    margin: Margin = None,
     tol: Tol = None,
     name: Names = None,
     top: Annotated[int, typer.Option(min=0, help="Worst parameters shown per capture.")] = 8,

@@ -1,7 +1,8 @@
 """The four questions of a cross-device comparison, answered in words from the stages' results.
 
-1. bug or honest noise?  per run, its own verdict against the band of its own precision
-   (``score``: excess = rel_l2 / band per layer, beyond when excess > margin); beside it, per layer,
+1. bug or honest noise?  per run, the one decision (``decide.py``: every parameter, layer and locally
+   replayed module against the threshold calibrated on its members, ``score/calibrate.py``, after the
+   framework's own findings); the first line and answer 3 render the same decision; beside it, per layer,
    the analytic round-off bound k C^n u (``score/bound.py``: rel_l2 <= bound, no margin), and where
    the two part (beyond the bound but within the band, or the reverse) it is said; the band rules;
 2. which run is farther from the truth?  per layer, the run with the larger rel_l2 loses it
@@ -33,8 +34,11 @@ import math
 import re
 from typing import Any
 
-from ..integrations.normlog import kind_of
 from ..score import bound as bound_mod
+from ..score.calibrate import FIDELITY
+from . import decide as decide_mod
+
+NONFINITE = decide_mod.NONFINITE
 
 SCHEMA_VERSION = 1
 _PROJ = re.compile(r"(_proj|linear_fc1|linear_fc2|linear_qkv|linear_proj|qkv|fc1|fc2|proj)$")
@@ -52,40 +56,51 @@ def _param_row(c: dict[str, Any], name: str) -> dict[str, Any] | None:
     return next((p for p in c["params"] if p["name"] == name), None)
 
 
-def stray_params(c: dict[str, Any]) -> list[dict[str, Any]]:
-    """Parameters beyond their own band in a run whose layers all stay within theirs (the verdict is per
-    layer: a layer aggregates its parameters, so a fault confined to a few of them can stay inside it; a
-    planted 5 % scale of one layer's MLP gradient in bf16: those weights 3.2-3.4x, the layer 1.00x).
-    Largest excess first; gradients the framework left unreduced are not among them unless judged per rank
-    (an ordinary row then: each rank against its own truth and band, score/framework.py)."""
-    if c["verdict"]["class"] != "within_noise":
-        return []
-    left_out = set(_unreduced(c)) - {p["name"] for p in c.get("params", []) if p.get("judged") == "per rank"}
-    rows = [p for p in c.get("params", []) if p.get("class") == "beyond_noise" and p["name"] not in left_out]
-    return sorted(rows, key=lambda p: -p["excess"])
-
-
-def _stray_text(rows: list[dict[str, Any]]) -> str:
-    top = rows[0]
-    more = f" and {len(rows) - 1} more" if len(rows) > 1 else ""
-    return (f"{len(rows)} parameter(s) beyond their own band inside layers within theirs ({top['name']} "
-            f"{top['excess']:.2f}x{more}): no verdict at the layer level; a fault confined to them, or their own "
-            "noise -- judge again with more members (--ensemble 8) to tell")
-
-
-def noise(score: dict[str, Any]) -> dict[str, Any]:
+def noise(score: dict[str, Any], decision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Answer 1, rendered from the decision (decide.py): per run, honest or not, what was called against
+    which threshold, the framework's findings, what was left out, and down to what an honest run is honest."""
+    decision = decision or decide_mod.decide(score)
     rows, said = [], []
-    for c in score["captures"]:
-        v = c["verdict"]
-        honest = v["class"] == "within_noise"
-        stray = stray_params(c)
-        rows.append({"run": c["name"], "precision": c["precision"], "class": v["class"], "honest": honest,
-                     "band": c["band_kind"], "excess": v["excess"], "text": v["text"], "stray": [p["name"] for p in stray]})  # fmt: skip
-        said.append(f"{c['name']}: {'honest noise' if honest else 'NOT honest noise'} against its own band "
-                    f"({c['band_kind']}, worst {v['excess']:.2f}x)" + (f", but {_stray_text(stray)}" if stray else ""))  # fmt: skip
-    faulty = [r["run"] for r in rows if not r["honest"]]
-    text = "; ".join(said)
-    return {"per_run": rows, "faulty": faulty, "text": text, "band": band_meaning(score)}
+    for c, d in zip(score["captures"], decision["per_run"]):
+        thr = d["threshold"]
+        rows.append({"run": d["run"], "precision": c["precision"], "class": d["class"], "honest": d["honest"],
+                     "band": c.get("band_kind"), "excess": (d["worst"] or {}).get("excess"), "threshold": thr["value"],
+                     "rule": thr.get("rule"), "called": [x["name"] for x in d["calls"]],
+                     "limits": d["limits"], "text": run_text(d, c.get("band_kind")),
+                     "score_text": c["verdict"].get("text", "")})  # fmt: skip
+        said.append(rows[-1]["text"])
+    faulty = decision["faulty"]
+    return {"per_run": rows, "faulty": faulty, "text": "; ".join(said), "band": band_meaning(score)}
+
+
+def run_text(d: dict[str, Any], band_kind: str | None) -> str:
+    """One run's answer 1 in words (the decision's, never the scorer's own line)."""
+    thr = d["threshold"]
+    against = f"against its own band ({band_kind or 'its band'}; threshold {thr['value']:.2f}x: {thr.get('rule', 'margin')})"
+    worst = d["worst"] or {}
+    head = f"{d['run']}: "
+    if d["class"] == "oracle_non_finite":
+        return head + "cannot be judged: the oracle's own gradients are non-finite"
+    if d["class"] == NONFINITE:
+        return head + f"NOT honest noise: non-finite gradients in {len(d['nonfinite'])} parameter(s), first {d['nonfinite'][0]}"
+    if d["class"] == "incomplete":
+        return head + f"incomplete: the capture lacks gradients the oracle has ({d['run']}'s coverage, below); of what it holds, none beyond {against}"
+    if d["calls"]:
+        text = head + f"NOT honest noise {against}: {decide_mod.call_text(d)}"
+    else:
+        text = head + f"honest noise {against}, worst {worst.get('excess') or 0:.2f}x ({worst.get('name')})"
+        lim = decide_mod.limit_text(d)
+        text += f"; {lim}" if lim else ""
+    for f in d["framework"]:
+        text += f"; framework finding, not the device: {f['text']}"
+    if d["left_out"]:
+        text += f"; {len(d['left_out'])} gradient(s) left out of the verdict: {_names(d['left_out'])} ({d['left_out'][0]['why']})"
+    return text
+
+
+def _names(rows: list[dict[str, Any]], shown: int = 3) -> str:
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return ", ".join(r["name"] for r in rows[:shown]) + more
 
 
 def band_meaning(score: dict[str, Any]) -> dict[str, Any]:
@@ -108,15 +123,18 @@ def band_meaning(score: dict[str, Any]) -> dict[str, Any]:
         runs.append({"run": c["name"], "members": k, "spread": spread})
     margin = score.get("margin")
     lines = []
-    for r in runs:
+    for r, c in zip(runs, score["captures"]):
+        thr = c.get("threshold") or {"value": margin, "text": f"--margin {margin:g}"}
+        r["threshold"] = thr["value"]
         if r["members"] == 0:
-            lines.append(f"{r['run']}: no emulated band; the tolerance table's expected error for its precision stands in")
+            lines.append(f"{r['run']}: no emulated band; the tolerance table's expected error for its precision stands in; "
+                         f"beyond noise above {thr['text']}")  # fmt: skip
             continue
         spread = (f"; its smallest member is >= {r['spread']:.2f} of its largest at every layer"
                   if r["spread"] is not None else "")  # fmt: skip
         lines.append(f"{r['run']}: band = the largest of {r['members']} emulated members' rel L2 per parameter and layer "
                      f"(an honest run exceeds it with probability ~1/{r['members'] + 1}); beyond noise above "
-                     f"{margin:g}x it{spread}")  # fmt: skip
+                     f"{thr['text']}{spread}")  # fmt: skip
     return {"per_run": runs, "margin": margin, "lines": lines}
 
 
@@ -134,22 +152,13 @@ def farther(score: dict[str, Any]) -> dict[str, Any]:
     return {"run": run, "layers_lost": lost, "layers_won": cmp["layers_won"], "per_layer": cmp["per_layer"], "text": text}
 
 
-def _framework(c: dict[str, Any], margin: float) -> list[str]:
-    out = []
-    gs = c["verdict"].get("global_scale")
-    if gs and gs["explains"]:
-        msg = f"a global scale explains the error: c = {gs['c']:.6g} (after scaling rel L2 {gs['residual_after_scaling']:.2e})"
-        n = (c.get("num_tokens") or 0) or None
-        if n and (abs(gs["c"] / n - 1) < 0.05 or abs(gs["c"] * n - 1) < 0.05):
-            msg += f"; c is about {'N' if gs['c'] > 1 else '1/N'} (N = {n} loss tokens): a summed loss against a mean"
-        out.append("loss convention / normalisation mismatch: " + msg)
+def _framework(c: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """The framework's findings for one run: the decision's (scale, partial sums), the loss check beyond its
+    band, and the gradients it left unreduced (score/framework.py)."""
+    out = [f["text"] for f in d["framework"]]
     lc = c.get("loss_check")
     if lc and lc["beyond"]:
         out.append(lc["text"])
-    beyond = [p["name"] for p in c["params"] if p["class"] == "beyond_noise"]
-    if beyond and all(kind_of(n)[1] for n in beyond):
-        out.append(f"every parameter beyond noise ({len(beyond)}) is a partial sum before finalize "
-                   f"({', '.join(sorted({kind_of(n)[0] for n in beyond}))}): an unreduced or twice-reduced partial sum")  # fmt: skip
     return out
 
 
@@ -173,27 +182,36 @@ def framework(score: dict[str, Any]) -> dict[str, Any]:
     return {"shared": shared, "only": only, "text": "framework finding " + "; ".join(parts) if parts else ""}
 
 
-def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float) -> dict[str, Any]:
+def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float | None = None,
+         decision: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Answer 3, from the decision: a run it calls honest has nothing to localise; a faulty one is placed by
+    its local replay's culprit, else by the decision's onset end to end."""
+    decision = decision or decide_mod.decide(score, local)
     rows = []
-    for c in score["captures"]:
-        name, v = c["name"], c["verdict"]
-        fw = _framework(c, margin) + ([c["framework"]["text"]] if c.get("framework") else [])
+    for c, d in zip(score["captures"], decision["per_run"]):
+        name = c["name"]
+        fw = _framework(c, d) + ([c["framework"]["text"]] if c.get("framework") else [])
         lv = (local.get(name) or {}).get("verdict")
         lc = c.get("loss_check")
+        if d["honest"] or d["class"] == "oracle_non_finite":
+            why = ("nothing to localise: the decision calls it honest noise" + (" on what the framework findings leave"
+                   if d["framework"] else "") if d["honest"] else "cannot be judged: the oracle is non-finite")  # fmt: skip
+            rows.append({"run": name, "module": None, "direction": None, "source": None, "framework": fw, "evidence": why})
+            continue
         if lv and lv.get("culprit"):
             rows.append({"run": name, "module": lv["culprit"], "direction": lv["direction"], "source": "local replay",
                          "evidence": lv["text"], "framework": fw})  # fmt: skip
             continue
-        on = v.get("onset")
-        if v["class"] == "within_noise" or not on:
+        on = d["onset"]
+        if not on:
             rows.append({"run": name, "module": None, "direction": None, "source": None, "framework": fw,
-                         "evidence": "nothing to localise: within its noise band" if v["class"] == "within_noise"
-                         else v["text"]})  # fmt: skip
+                         "evidence": c["verdict"].get("text", "")})  # fmt: skip
             continue
-        layer = next(r for r in c["layers"] if r["name"] == on["layer"])
-        module = module_of(layer["worst_param"])
-        at_loss_end = on["layer"] == c["layers"][0]["name"]
-        below = c["layers"][1] if len(c["layers"]) > 1 else None  # the next layer along the backward
+        layers = d["layers"]
+        layer = next(r for r in layers if r["name"] == on["layer"])
+        module = module_of(on["param"] or layer["worst_param"])
+        at_loss_end = on["layer"] == layers[0]["name"]
+        below = layers[1] if len(layers) > 1 else None  # the next layer along the backward
         confined = None
         if lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
@@ -212,15 +230,14 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float)
         else:
             direction = None
             why = "no recorded loss to tell forward from backward" if not lc else "the onset is at the loss end"
-        worst = _param_row(c, layer["worst_param"]) or {"excess": math.nan}
         evidence = (f"end to end: first out of band along the backward at {on['layer']} ({on['excess']:.1f}x its band), "
-                    f"largest there in {layer['worst_param']} ({worst['excess']:.1f}x); {on['stays_out']}/{on['after']} "
+                    f"largest there in {on['param']} ({on['param_excess']:.1f}x); {on['stays_out']}/{on['after']} "
                     f"layers after stay out; {why}")  # fmt: skip
         if lv:
             evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
                          "(a hand-off), which only the end-to-end onset places")  # fmt: skip
         rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,
-                     "onset_param": layer["worst_param"], "framework": fw, "confined": confined})  # fmt: skip
+                     "onset_param": on["param"], "framework": fw, "confined": confined})  # fmt: skip
     parts = []
     for r in rows:
         if r["module"]:
@@ -297,26 +314,73 @@ def _path_class(c: dict[str, Any], module: str) -> dict[str, Any] | None:
 
 
 def _plain_scale(p: dict[str, Any], margin: float) -> bool:
-    """A gradient whose direction is within noise (sin of its angle to the truth's within margin x band)
+    """A gradient whose direction is within noise (sin of its angle to the truth's within T x band)
     while its norm is not: a scale."""
+    if p.get("cosine") is None or p.get("norm_ratio") is None:
+        return False
     sin = math.sqrt(max(0.0, 1.0 - min(1.0, p["cosine"]) ** 2))
     return sin <= margin * p["band"] < abs(p["norm_ratio"] - 1.0)
 
 
+_ATTN = re.compile(r"(^|\.)(self_attn|self_attention|attn|attention)($|\.)")
+
+
+def _module_scale(c: dict[str, Any], module: str, onset: str | None, t: float) -> dict[str, Any] | None:
+    """The gradient(s) the error shows in, where every one of them beyond T is a plain scale of one factor."""
+    rows = [p for p in c.get("params", []) if p["name"].startswith(module + ".") and p.get("class") == "beyond_noise"]
+    on = _param_row(c, onset or "")
+    rows = rows or ([on] if on else [])
+    if not rows or not all(_plain_scale(p, t) for p in rows):
+        return None
+    ratios = [p["norm_ratio"] for p in rows]
+    if max(ratios) / min(ratios) - 1 > 0.01:  # one factor for all of them
+        return None
+    return rows[0]
+
+
+def _settle(module: str, direction: str | None, local: dict[str, Any] | None) -> tuple[str, bool]:
+    """(the capture that settles it, whether it was already made): a sub-module capture of ``module`` unless
+    its sub-modules were already replayed locally; the advice names the direction at fault."""
+    which = {"forward": "forward output", "backward": "backward"}.get(direction or "", "forward or backward")
+    subs = [m["module"] for m in (local or {}).get("modules", []) if m["module"].startswith(module + ".")]
+    if subs:
+        return (f"{module}'s sub-modules were captured and replayed alone ({len(subs)}, e.g. {subs[0]}) and none is beyond "
+                f"its band: the {which} error is made between them (a hand-off) or in {module}'s own glue; "
+                "capture ONE micro-batch with the same selection to tell", True)  # fmt: skip
+    return (f"capture {module}'s sub-modules too (ORACLE_CAPTURE_MODULES='{_sub_modules(module)}') so that the local "
+            f"replay names the one (attention core, rotary, norm, MLP) whose {which} is wrong", False)  # fmt: skip
+
+
 def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_rows: list[dict[str, Any]],
-             margin: float, microbatches: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
-    """``microbatches``: each run's micro-batches per call (a run of several gets the accumulation's reason)."""
+             margin: float | None, microbatches: dict[str, int] | None = None, *, decision: dict | None = None,
+             runs: list[dict[str, Any]] | None = None, local: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``microbatches``: each run's micro-batches per call (a run of several gets the accumulation's reason).
+    ``margin``: the --margin given, else each run's own threshold (its score's calibrated T)."""
     rows = []
     by_name = {c["name"]: c for c in score["captures"]}
+    recorded = {r["name"]: r.get("modules") for r in runs or []}
     for b in born_rows:
         if not b["module"]:
             continue
+        c = by_name[b["run"]]
+        t = margin if margin is not None else float((c.get("threshold") or {}).get("value") or 3.0)
         ex = explained.get(b["run"])
+        direction = b.get("direction")
+        if direction == "forward" and _ATTN.search(b["module"]) and not (ex and ex["classes"][0]["share_only"] >= 0.5):
+            rows.append({"run": b["run"], "class": "attention (forward)", "share": None, "source": "signature",
+                         "text": f"a forward error in attention: {b['module']} is where it is born and its forward is at fault "
+                                 f"({b['source']}): a wrong mask, offset or sample boundary, not a precision (rounding "
+                                 "moves no loss beyond its band)"})  # fmt: skip
+            continue
         if ex:
             top = ex["classes"][0]
             row = {"run": b["run"], "class": ex["top"] if top["share_only"] >= 0.5 else None, "share": top["share_only"],
                    "source": "explain", "text": ex["text"]}  # fmt: skip
-            path = _path_class(by_name[b["run"]], b["module"]) if b.get("direction") == "backward" else None
+            path = _path_class(c, b["module"]) if direction == "backward" else None
+            scale = _module_scale(c, b["module"], b.get("onset_param"), t) if row["class"] is None else None
+            if scale:
+                path = {"class": "scaling", "text": f"{scale['name']} is {scale['norm_ratio']:.6g}x the truth's gradient with "
+                                                    f"its direction within noise: a scale"}  # fmt: skip
             if row["class"] is None and path:
                 row.update({"class": path["class"], "source": "explain, then the gradient path",
                             "text": f"no op class's rounding reproduces the error (best {ex['top']}, {top['share_only']:.0%}): "
@@ -327,16 +391,14 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
                               f"{top['share_only']:.0%} in {ex.get('format', 'the capture format')}): not one op class "
                               "computed in too low a precision but a wrong result (a mask, a sign, an index, a missing "
                               "term), which rounding cannot reproduce")  # fmt: skip
-                row["settle"] = (f"capture {b['module']}'s sub-modules too (ORACLE_CAPTURE_MODULES="
-                                 f"'{_sub_modules(b['module'])}') so that the local replay names the one (attention core, "
-                                 "rotary, norm, MLP) whose backward is wrong")  # fmt: skip
+                row["settle"], row["settled"] = _settle(b["module"], direction, (local or {}).get(b["run"]))
                 row["text"] = f"undetermined: {row['why']}; to settle it, {row['settle']} ({ex['text']})"
             rows.append(row)
             continue
-        c = by_name[b["run"]]
         p = _param_row(c, b.get("onset_param") or "")
+        scale = _module_scale(c, b["module"], b.get("onset_param"), t)
         n_mb = (microbatches or {}).get(b["run"], 1)
-        if n_mb > 1 and (p is None or p.get("cosine") is None or not _plain_scale(p, margin)):
+        if n_mb > 1 and not scale:
             why, settle = _accumulated(n_mb)
             if b.get("confined"):
                 why += (f"; the error stays in {b['confined']}'s weight gradient (born, 3.): its weight-gradient GEMM or "
@@ -345,24 +407,31 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
                          "settle": settle, "short": f"{n_mb} micro-batches: no local replay",
                          "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
             continue
-        if p is None or p.get("cosine") is None:
-            why, settle = "no module boundaries were captured (explain needs them)", CAPTURE_LAYERS
-            rows.append({"run": b["run"], "class": None, "share": None, "source": None, "why": why, "settle": settle,
-                         "short": "no module boundaries captured",
+        if scale:
+            rows.append({"run": b["run"], "class": "scaling", "share": None, "source": "gradient signature",
+                         "text": f"a scale, not rounding: {scale['name']} is {scale['norm_ratio']:.6g}x the truth's gradient "
+                                 f"with its direction within noise (cosine {scale['cosine']:.9f}); no op's rounding scales a "
+                                 "gradient: a scaling or reduction op (a loss or gradient scale, a sum counted twice)"})  # fmt: skip
+            continue
+        if b.get("source") == "local replay":
+            why = f"the local replay places it in {b['module']} ({direction}) and no op class was ranked (explain did not run)"
+            settle, done = _settle(b["module"], direction, (local or {}).get(b["run"]))
+            rows.append({"run": b["run"], "class": None, "share": None, "source": "local replay", "why": why,
+                         "settle": settle, "settled": done, "short": "explain did not run",
                          "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
             continue
-        if _plain_scale(p, margin):
-            rows.append({"run": b["run"], "class": "scaling", "share": None, "source": "gradient signature",
-                         "text": f"a scale, not rounding: {p['name']} is {p['norm_ratio']:.6g}x the truth's gradient with "
-                                 f"its direction within noise (cosine {p['cosine']:.9f}); no op's rounding scales a gradient: "
-                                 "a scaling or reduction op (a loss or gradient scale, a sum counted twice); the op-level "
-                                 "attribution (explain) needs module boundaries"})  # fmt: skip
+        settle = CAPTURE_LAYERS if direction != "forward" else CAPTURE_LAYERS.replace(
+            "places the module", "places the module whose forward output is wrong")
+        if recorded.get(b["run"]):
+            why = "module boundaries were recorded but none could be replayed locally for this module"
+        elif p is None or p.get("cosine") is None:
+            why = "no module boundaries were captured (explain needs them)"
         else:
             why = (f"no module boundaries were captured and the gradient's signature is not a plain scale ({p['name']}: "
                    f"cosine {p['cosine']:.6f}, norm ratio {p['norm_ratio']:.6g})")  # fmt: skip
-            rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature", "why": why,
-                         "settle": CAPTURE_LAYERS, "short": "no module boundaries captured, not a plain scale",
-                         "text": f"undetermined: {why}; to settle it, {CAPTURE_LAYERS}"})  # fmt: skip
+        short = "no module boundaries captured" + (", not a plain scale" if p is not None and p.get("cosine") is not None else "")
+        rows.append({"run": b["run"], "class": None, "share": None, "source": "gradient signature" if p else None,
+                     "why": why, "settle": settle, "short": short, "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
     return {
         "per_run": rows,
         "text": "; ".join(f"{r['run']}: {r['class'] or 'undetermined'}" for r in rows) or "no error to explain",
@@ -392,18 +461,32 @@ def not_concluded(score, local, runs, logs) -> list[str]:
                    "log as --log-a and --log-b)")
     out.append(
         "the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
-        f"(the margin, {score['margin']:g}x, covers those)"
+        f"(the threshold's floor, the emulation's measured fidelity {FIDELITY:g}x, covers those: docs/limits.md)"
+        if score.get("margin") is None else
+        "the noise band is emulated rounding of the capture's precision, not a vendor's kernel choices "
+        f"(the margin given, {score['margin']:g}x, covers those)"
     )
     return out
 
 
-def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None) -> str:
+def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None, decision: dict | None = None) -> str:
+    """The first line, rendered from the decision: the device verdict on what remains, then the framework's
+    findings (never as a device fault) and the gradients left out of the verdict, with the reason."""
     faulty = noise_a["faulty"]
-    tail = f"; {fw['text']}" if fw and fw.get("text") else ""
+    per = (decision or {}).get("per_run", [])
+    tail = ""
+    for d in per:
+        for f in d["framework"]:
+            tail += f"; framework finding in {d['run']} (not the device): {f['text']}"
+    if fw and fw.get("text"):
+        tail += f"; {fw['text']}"
+    for d in per:
+        if d["left_out"]:
+            tail += (f"; {len(d['left_out'])} gradient(s) of {d['run']} left out of the verdict ({_names(d['left_out'])}): "
+                     f"{d['left_out'][0]['why']}")  # fmt: skip
+    remains = " on what the framework findings leave" if any(d["framework"] for d in per) else ""
     if not faulty:
-        stray = [f"{r['run']} has {len(r['stray'])} parameter(s) beyond their own band (see 1.)" for r in noise_a["per_run"] if r.get("stray")]
-        return ("answer: both runs are honest noise of their own precision; no device bug is shown by this step"
-                + (" at the layer level, but " + " and ".join(stray) if stray else "") + tail)  # fmt: skip
+        return f"answer: both runs are honest noise of their own precision{remains}; no device bug is shown by this step" + tail
     parts = []
     for run in faulty:
         b = next((r for r in born_a["per_run"] if r["run"] == run), {})
@@ -417,18 +500,26 @@ def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None) -> 
 def build(
     score: dict[str, Any], runs: list[dict[str, Any]], *, local: dict, explained: dict, logs: dict | None
 ) -> dict[str, Any]:
-    m = score["margin"]
     for c in score["captures"]:  # the loss-token count, for the convention check
         run = next(r for r in runs if r["name"] == c["name"])
         c.setdefault("num_tokens", run.get("num_tokens"))
-    a1, a2 = noise(score), farther(score)
-    a3 = born(score, local, m)
-    a4 = op_class(score, explained, a3["per_run"], m, {r["name"]: r.get("microbatches", 1) for r in runs})
+    decision = decide_mod.decide(score, local, runs)
+    a1, a2 = noise(score, decision), farther(score)
+    a3 = born(score, local, decision=decision)
+    a4 = op_class(score, explained, a3["per_run"], score.get("margin"), {r["name"]: r.get("microbatches", 1) for r in runs},
+                  decision=decision, runs=runs, local=local)  # fmt: skip
     a1b = bound_mod.annotate(score, {c["name"]: c.get("num_tokens") for c in score["captures"]})
     fw = framework(score)
     return {
-        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4, fw), "runs": runs,
+        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4, fw, decision),
+        "runs": runs, "decision": _public(decision),
         "answers": {"noise": a1, "bound": a1b, "farther": a2, "born": a3, "op_class": a4, "framework": fw},
         "not_concluded": not_concluded(score, local, runs, logs), "logs": logs,
         "score": score, "local": local, "explain": explained,
     }  # fmt: skip
+
+
+def _public(decision: dict[str, Any]) -> dict[str, Any]:
+    """The decision for the JSON: everything but the re-judged rows (the score document holds the rows)."""
+    keep = lambda d: {k: v for k, v in d.items() if k not in ("params", "layers")}  # noqa: E731
+    return {"faulty": decision["faulty"], "per_run": [keep(d) for d in decision["per_run"]]}

@@ -40,6 +40,7 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
+RULE = "calibrated-1"  # the threshold's rule (score/calibrate.py): a score stage of another rule is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7
 
@@ -203,7 +204,7 @@ def replayable(caps: list[Bundle]) -> int:
 class Judge:
     def __init__(self, run_a: str | Path, run_b: str | Path, *, out: str | Path, recipe: str | None = None,
                  names: list[str] | None = None, logs: list[str | Path] = (), max_memory: str | None = None,
-                 ensemble: int = ENSEMBLE, members: int = 2, margin: float = 3.0, nproc: int = 1, threads: int | None = None,
+                 ensemble: int = ENSEMBLE, members: int = 2, margin: float | None = None, nproc: int = 1, threads: int | None = None,
                  dp_rank: int | None = None, echo: Callable[[str], None] | None = None):  # fmt: skip
         self.inputs = [resolve_run(run_a, "A"), resolve_run(run_b, "B")]
         if os.path.samefile(self.inputs[0][1], self.inputs[1][1]):
@@ -510,7 +511,7 @@ class Judge:
                                    lambda out, ow, lay=lay: project(truth, caps_p[src], bands, out, lay, overwrite=ow)))  # fmt: skip
         from ..score.scorer import score as do_score
 
-        result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin},
+        result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin, "rule": RULE},
                              [truth, *caps_p, *bands, *views],
                              lambda: do_score(truth, caps_p, band_paths=bands, margin=self.margin, names=self.names,
                                               per_rank=views))  # fmt: skip
@@ -522,7 +523,7 @@ class Judge:
                            [cp], lambda out, ow, cp=cp: self._local(cp, out, ow))  # fmt: skip
             from ..score.local import score_local
 
-            local[n] = st.document(f"local-score-{n}", f"score {n}'s local replay", {"margin": self.margin}, [lb],
+            local[n] = st.document(f"local-score-{n}", f"score {n}'s local replay", {"margin": self.margin, "rule": RULE}, [lb],
                                    lambda lb=lb: score_local(lb, margin=self.margin))  # fmt: skip
             culprit = local[n]["verdict"].get("culprit")
             if culprit:
@@ -538,7 +539,8 @@ class Judge:
         for (k, p), cp, c, n in zip(self.inputs, caps_p, caps, self.names):
             runs.append({"name": n, "input": str(p), "input_kind": "megatron rank folder" if k == "ranks" else "capture bundle",
                          "capture": str(cp), "megatron": bool(c.get("megatron")), "precision": c.get("precision"), "modules": bool(c.get("modules")),
-                         "num_tokens": (c.get("loss") or {}).get("num_tokens"), "fingerprint": manifest_fingerprint(cp),
+                         "num_tokens": (c.get("loss") or {}).get("num_tokens"),
+                         "rank_num_tokens": (c.get("loss") or {}).get("rank_num_tokens"), "fingerprint": manifest_fingerprint(cp),
                          "microbatches": len((c.get("megatron") or {}).get("microbatches") or []) or 1})  # fmt: skip
         t0 = progress.start("report", "write the report (text, JSON, HTML)")
         doc = answers_mod.build(result, runs, local=local, explained=explained, logs=logs)

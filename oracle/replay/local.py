@@ -206,6 +206,7 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
                 expected[labels[k]].append(v)
     for lab, vals in expected.items():
         row[f"expected_{lab}"] = max(vals) if vals else None
+        row[f"members_{lab}"] = vals  # each member's error: the null of the threshold (score/calibrate.py)
     return row
 
 

@@ -44,8 +44,9 @@ def plot(result: dict[str, Any], path) -> None:
         color = f"C{k}"
         ax.fill_between(x, [r["band_low"] for r in rows], [r["band"] for r in rows], color=color, alpha=0.3,
                         label=f"{c['name']}: noise band ({c['band_kind']})")  # fmt: skip
-        ax.fill_between(x, [r["band"] for r in rows], [r["band"] * result["margin"] for r in rows], color=color,
-                        alpha=0.1, label=f"{c['name']}: up to band x margin ({result['margin']:g})")  # fmt: skip
+        t = (c.get("threshold") or {}).get("value") or result["margin"]  # the run's threshold (calibrate.py)
+        ax.fill_between(x, [r["band"] for r in rows], [r["band"] * t for r in rows], color=color,
+                        alpha=0.1, label=f"{c['name']}: up to band x threshold ({t:.2g})")  # fmt: skip
         ax.plot(x, [max(r[metric], 1e-18) for r in rows], "o-", color=color, label=f"{c['name']} ({c['precision']})")
         if rows and all("bound" in r for r in rows):  # judge: the analytic bound k C^n u (score/bound.py)
             ax.plot(x, [r["bound"] for r in rows], ":", color=color, lw=1.5, label=f"{c['name']}: analytic bound k C^n u")

@@ -170,7 +170,8 @@ def annotate(score: dict[str, Any], num_tokens: dict[str, int | None] | None = N
                 beyond.append(r)
             if r["disagrees"]:
                 disagree.append(r)
-        rows.append(_run_answer(c, beyond, disagree, constants(c["precision"], depth, n_acc), score["margin"]))
+        rows.append(_run_answer(c, beyond, disagree, constants(c["precision"], depth, n_acc),
+                                    (c.get("threshold") or {}).get("value") or score["margin"]))
     text = "; ".join(r["text"] for r in rows)
     return {"per_run": rows, "depth": depth, "text": text}
 

@@ -81,7 +81,7 @@ def finding(rows: list[dict[str, Any]], per_rank: set[str] = frozenset()) -> dic
     if out:
         text += (f"; {len(out)} are neither one rank's copy nor the sum ({names(out)}): left out of this verdict "
                  "(no per-rank truth; oracle rank-view judges them by hand)")  # fmt: skip
-    return {"text": text, "params": rows, "adds_up": up, "excluded": mixed, "per_rank": judged}
+    return {"text": text, "params": rows, "adds_up": up, "excluded": out, "per_rank": judged}
 
 
 def _view_for(views: list[Bundle], tp: int, name: str) -> Bundle | None:

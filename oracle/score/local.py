@@ -6,7 +6,8 @@ Per module M (a row of the local bundle), for x in fwd (outputs), bwd (grad_inpu
     expected_x = max(emulated expected_x, floor)      floor: the tolerance table's u/4 for the
                                                        capture's precision (``--tol P:floor=V``)
     ratio_x    = x / expected_x
-    ratio      = max over x;  beyond = ratio > margin
+    ratio      = max over x;  beyond = ratio > T, the threshold calibrated on the rows' members
+                 (members_x, calibrate.py: a family of its own), or the --margin given
 
 Non-finite values are findings, never NaN ratios that compare false: a module whose device outputs
 hold NaN/Inf while its device inputs are finite is where they are born in the forward; one whose
@@ -29,7 +30,8 @@ from typing import Any
 
 from ..bundle.store import Bundle
 from ..errors import BundleError, UsageError
-from .tolerance import MARGIN, check_margin, row, table
+from . import calibrate
+from .tolerance import check_margin, row, table
 
 KEYS = ("fwd", "bwd", "param")
 BEYOND, WITHIN, NONFINITE = "beyond_noise", "within_noise", "non_finite"
@@ -48,7 +50,7 @@ def born_nonfinite(r: dict[str, Any]) -> str | None:
 def score_local(
     bundle: Bundle | str | Path,
     *,
-    margin: float = MARGIN,
+    margin: float | None = None,
     tol_overrides: dict[str, dict[str, float]] | None = None,
     band_paths: Sequence[str | Path] = (),
 ) -> dict[str, Any]:
@@ -56,7 +58,7 @@ def score_local(
 
     A local replay measures its own band per module (``--members`` emulated runs of the module at
     replay time), so end-to-end ``--band`` bundles do not apply: given, they are a usage error."""
-    margin = check_margin(margin)
+    margin = None if margin is None else check_margin(margin)
     bundle = bundle if isinstance(bundle, Bundle) else Bundle(bundle)
     if bundle.kind != "local":
         raise BundleError(f"{bundle.path} is a {bundle.kind} bundle; local scoring needs `oracle replay --local` output")
@@ -66,14 +68,18 @@ def score_local(
             "(replay with more --members to widen it, --tol PRECISION:floor=V to change its floor)"
         )
     tol = row(table(tol_overrides), bundle.get("precision"))
-    rows = [_score_row(dict(r), tol["floor"], margin) for r in bundle.get("local", [])]
+    raw = bundle.get("local", [])
+    thr = calibrate.threshold([(r.get(f"members_{k}") or [], tol["floor"]) for r in raw for k in KEYS if r.get(k) is not None],
+                              margin=margin, fidelity=calibrate.LOCAL_FIDELITY)  # fmt: skip
+    margin = thr["value"]
+    rows = [_score_row(dict(r), tol["floor"], margin) for r in raw]
     beyond = [r for r in rows if r["beyond"]]
     names = {r["module"] for r in beyond}
     culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
     culprits.sort(key=_culprit_key)
     return {
         "local": str(bundle.path), "precision": bundle.get("precision"), "emulated": bundle.get("emulated"),
-        "margin": margin, "floor": tol["floor"], "modules": rows, "culprits": [r["module"] for r in culprits],
+        "margin": margin, "threshold": thr, "floor": tol["floor"], "modules": rows, "culprits": [r["module"] for r in culprits],
         "verdict": _verdict(rows, culprits, bundle.get("emulated")),
     }  # fmt: skip
 

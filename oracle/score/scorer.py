@@ -12,7 +12,8 @@ Per parameter p of capture c (formulas in metrics.py):
     band(p)    = max(max_k e_k(p), floor)            e_k = the same metric for emulated member k;
                  without a band: max(expected, floor) of the tolerance table for c's precision
     excess(p)  = e(p) / band(p)
-    class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > margin, else within_noise
+    class(p)   = non_finite if g has NaN/Inf, beyond_noise if excess > T, else within_noise, with T the
+                 threshold calibrated on the run's own members (calibrate.py) or the --margin given
 Coverage: which of the oracle's M gradients the capture holds (N), which it lacks, and which it holds
 that the oracle does not (extra, not scored). A capture that is not a norm log and lacks any
 gradient is ``incomplete`` whatever the part checked says (that part's class is ``checked_class``);
@@ -22,7 +23,7 @@ every verdict is ``oracle_non_finite``.
 Per layer (the recipe's backward order, loss end first) the same with e, e_k aggregated exactly
 over the layer's parameters (sqrt of summed squared errors over sqrt of summed squared norms).
 
-Verdict of a capture: its class (worst over layers), excess (max over layers), worst layer, and
+Verdict of a capture: its class (beyond when a layer or any parameter is), excess (max over layers), worst layer, and
     onset        the first layer, walking from the loss end, that is beyond noise; with how many of
                  the layers after it stay beyond and the largest excess they reach;
     global_scale c = <g, t> / <g, g> over all parameters; when c != 1 beyond the band and
@@ -58,6 +59,7 @@ from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale, tensor_metrics
 from ..replay.certify import FD_WARN
+from . import calibrate
 from .framework import finding as framework_finding
 from .framework import framework_rows, judge_per_rank
 from .layers import group as group_layers
@@ -138,7 +140,7 @@ def score(
     capture_paths: list[str | Path],
     *,
     band_paths: list[str | Path] = (),
-    margin: float = MARGIN,
+    margin: float | None = None,
     tol_overrides: dict[str, dict[str, float]] | None = None,
     names: list[str] | None = None,
     force_band: bool = False,
@@ -146,7 +148,7 @@ def score(
 ) -> dict[str, Any]:
     """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
     refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
-    margin = check_margin(margin)
+    margin = None if margin is None else check_margin(margin)
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
         raise BundleError(f"{oracle.path} is a {oracle.kind} bundle; score needs an oracle (run `oracle replay` first)")
@@ -206,7 +208,7 @@ def score(
         plan["per_rank"], plan["left_out"] = {}, []
         if plan["norms"] is None:
             band_of = lambda p, plan=plan: _band_value(plan["band_rows"].get(p, []), False, plan["tol"])  # noqa: E731
-            fw_rows = framework_rows(oracle, plan["bundle"], band_of, margin)
+            fw_rows = framework_rows(oracle, plan["bundle"], band_of, margin or MARGIN)
             mixed = [r["name"] for r in fw_rows if not r["adds_up"]]
             judged, plan["left_out"] = judge_per_rank(views, plan["bundle"], mixed, plan["precision"],
                                                       lambda ms, plan=plan: _band_value(ms, False, plan["tol"]))  # fmt: skip
@@ -228,7 +230,7 @@ def score(
         if c["framework"]:
             c["verdict"]["text"] += "; " + c["framework"]["text"]
         c["unverified"] = unverified[c["name"]]
-        c["loss_check"] = _loss_check(plan, oracle, margin)
+        c["loss_check"] = _loss_check(plan, oracle, margin or MARGIN)  # the loss has no members: the fixed margin
         if c["loss_check"] and c["loss_check"]["beyond"]:
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
         c["coverage"] = _coverage(plan, pnames)
@@ -236,7 +238,7 @@ def score(
         _judge_manifest(c, missing_fields(plan["bundle"].manifest))
     out = {
         "oracle": _oracle_info(oracle, oracle_nonfinite),
-        "margin": margin,
+        "margin": margin,  # None: each run's threshold is calibrated (captures[*].threshold)
         "tolerances": tol,
         "captures": result_caps,
         "comparison": _compare(result_caps, layers) if len(result_caps) > 1 else None,
@@ -373,7 +375,15 @@ def _band_value(member_rows: list[dict[str, float]], norms_only: bool, tol: dict
     return max(tol["expected"], tol["floor"])  # a --tol floor holds without a band too
 
 
-def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, int]) -> dict[str, Any]:
+def _layer_members(band_rows: dict, present: list[str], norms_only: bool) -> list[float]:
+    """Each member's error over a layer's parameters: exact for rel L2, the worst for norm deviations."""
+    k_members = min((len(band_rows.get(p, [])) for p in present), default=0)
+    if norms_only:
+        return [max(_metric(band_rows[p][k], True) for p in present) for k in range(k_members)]
+    return [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
+
+
+def _score_capture(plan: dict, layers, layer_of, margin: float | None, rank: dict[str, int]) -> dict[str, Any]:
     c: Bundle = plan["bundle"]
     norms_only = plan["norms"] is not None
     rows, band_rows, tol = plan["rows"], plan["band_rows"], plan["tol"]
@@ -381,8 +391,10 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
     for p, r in rows.items():
         err = _metric(r, norms_only)
         band = _band_value(band_rows.get(p, []), norms_only, tol)
-        excess, cls = _classify(err, band, int(r["nonfinite"]), margin)
-        row = {"name": p, "layer": layer_of.get(p, "other"), "band": band, "excess": excess, "class": cls}
+        excess, cls = _classify(err, band, int(r["nonfinite"]), math.inf)  # classified below, with the threshold
+        members = [_metric(m, norms_only) for m in band_rows.get(p, [])]
+        row = {"name": p, "layer": layer_of.get(p, "other"), "band": band, "members": members, "excess": excess, "class": cls,
+               "error": err}
         keys = (
             ("norm_ratio", "norm", "ref_norm", "nonfinite")
             if norms_only
@@ -394,6 +406,14 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             row["padded_rows"] = {k: plan["padded"][p][k] for k in ("rows", "rel_l2", "norm", "ref_norm")}
         params.append(row)
     by_name = {r["name"]: r for r in params}
+    # the threshold: calibrated on this run's members (calibrate.py), or the margin given
+    units = [(r["members"], tol["floor"]) for r in params]
+    units += [(_layer_members(band_rows, [p for p in ps if p in rows], norms_only), tol["floor"]) for _, ps in layers
+              if any(p in rows for p in ps)]
+    thr = calibrate.threshold(units, margin=margin)
+    margin = thr["value"]
+    for row in params:
+        row["class"] = _classify(row.pop("error"), row["band"], int(row["nonfinite"]), margin)[1]
 
     layer_rows = []
     for lab, ps in layers:
@@ -402,13 +422,12 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
             continue
         if norms_only:
             err = max(_metric(rows[p], True) for p in present)  # no exact aggregate of norms: worst
-            members = [max(_metric(band_rows[p][k], True) for p in present) for k in range(len(band_rows.get(present[0], [])))]
+            members = _layer_members(band_rows, present, True)
             agg = {"nonfinite": sum(rows[p]["nonfinite"] for p in present)}
         else:
             agg = aggregate([rows[p] for p in present])
             err = agg["rel_l2"]
-            k_members = len(band_rows.get(present[0], []))
-            members = [aggregate([band_rows[p][k] for p in present])["rel_l2"] for k in range(k_members)]
+            members = _layer_members(band_rows, present, False)
         band = max(max(members), tol["floor"]) if members else max(tol["expected"], tol["floor"])
         band_low = min(members) if members else band
         excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
@@ -429,7 +448,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float, rank: dict[str, 
         "band_source": str(plan["band"].path) if plan["band"] is not None else None,
         "band_kind": ("emulated " + plan["band"].get("precision") + f" x{plan['band'].get('members', 1)}")
         if plan["band"] is not None else f"tolerance table ({plan['precision']})",
-        "params": params, "layers": layer_rows, "verdict": verdict,
+        "params": params, "layers": layer_rows, "verdict": verdict, "threshold": thr,
     }  # fmt: skip
 
 
@@ -443,15 +462,19 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
     nonfinite = sorted((p["name"] for p in params if p["nonfinite"]), key=lambda n: rank.get(n, len(rank)))
     worst = max(layer_rows, key=lambda r: r["excess"])
     key = "norm_dev" if norms_only else "rel_l2"
+    # a layer is out when it is beyond, or any of its parameters is (a fault confined to a few weights
+    # can stay inside its layer's aggregate): the judge's decision (pipeline/decide.py) reads it the same way
+    beyond_in = {p["layer"] for p in params if p["class"] == BEYOND}
+    out = lambda r: r["class"] != WITHIN or r["name"] in beyond_in  # noqa: E731
     onset = None
     for i, lr in enumerate(layer_rows):
-        if lr["class"] != WITHIN:
+        if out(lr):
             after = layer_rows[i + 1 :]
             peak = max([lr] + after, key=lambda r: r["excess"])
             onset = {
                 "layer": lr["name"], "param": _short(lr["first_param"], lr["name"]), "excess": lr["excess"],
                 "param_excess": next(p["excess"] for p in params if p["name"] == lr["first_param"]),
-                "stays_out": sum(r["class"] != WITHIN for r in after), "after": len(after),
+                "stays_out": sum(out(r) for r in after), "after": len(after),
                 "peak_layer": peak["name"], "peak_excess": peak["excess"],
             }  # fmt: skip
             break
@@ -462,7 +485,7 @@ def _verdict(plan, params, layer_rows, rows, margin, norms_only, rank) -> dict[s
         overall_band = max(r["band"] for r in layer_rows)
         explained = agg["rel_l2"] > margin * overall_band and resid <= margin * overall_band
         gs = {"c": c_star, "rel_l2": agg["rel_l2"], "residual_after_scaling": resid, "explains": explained}
-    cls = NONFINITE if nonfinite else (BEYOND if any(r["class"] == BEYOND for r in layer_rows) else WITHIN)
+    cls = NONFINITE if nonfinite else (BEYOND if any(out(r) for r in layer_rows) else WITHIN)
     what = "norm deviation" if norms_only else "rel L2"
     if cls == NONFINITE:
         where = "first along the backward" if rank else "first in storage order (the oracle has no backward order)"

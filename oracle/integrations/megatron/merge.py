@@ -291,6 +291,7 @@ def _loss(chosen: dict, info: dict) -> dict[str, Any]:
     if None not in given:
         loss["value"] = sum(given) / total if per_token and total else sum(given) / len(given)
     loss["num_tokens"] = total
+    loss["rank_num_tokens"] = ns  # per DP rank: a gradient scale that matches their ratio is a normalisation (pipeline/decide.py)
     return loss
 
 

@@ -1,0 +1,79 @@
+"""The threshold on excess = error / band, calibrated on the honest members themselves.
+
+A unit u (a parameter, a layer, a module's local forward, input gradient or parameter gradient) has
+K emulated members' errors m_1..m_K against the truth and a band b_u = max(max_k m_k, floor). A run's
+statistic is x_u = e_u / b_u. An honest run's e_u is one more draw of the same rounding, so the
+members' own spread is its null distribution (leave-one-out, K >= 2):
+
+    l_u,k  = log(m_k / max(max_{j != k} m_j, floor))        what member k would score against the others
+    sigma  = sqrt(mean over u, k of l_u,k^2)                the honest spread of log x, pooled over the family
+    T_stat = exp(max(sigma z(1 - alpha_f / N), max |l|))    N = the family's units: Bonferroni, one-sided;
+                                                            the largest observed |l| as well (the tails are
+                                                            heavier than normal: small norm vectors spread most)
+    T      = max(T_stat, FIDELITY)                         LOCAL_FIDELITY for a local replay's rows
+
+(the honest run's band is the max over all K members, the leave-one-out's over K - 1: the null is
+conservative). A family is one run's end-to-end units (parameters and layers) or its local rows;
+each gets alpha_f = ALPHA / 2, so the family-wise false-alarm rate of a run is at most ALPHA.
+
+FIDELITY is the emulation's own error: real runs are not the emulation (other kernels, other
+accumulation orders), and the members' spread cannot see that. Measured: the largest excess of an
+honest real run over the larger of 2 members is 1.49x over parameters and layers (1.15x and 1.07x on
+the two Megatron paths' bf16, docs/megatron-mindspeed.md, over 4 members) and 1.93x over a local
+replay's modules (CPU autocast amp-bf16, tiny Qwen3-VL, 12 honest captures; ``python
+benchmarks/false_alarms.py --local``): FIDELITY 2.0 end to end and LOCAL_FIDELITY 2.5 locally stand
+about 1.3x above them.
+
+Without members (a tolerance-table band, one member) there is no null: the fixed margin (MARGIN,
+tolerance.py) stands in, and says so. An explicit ``--margin`` replaces the rule everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from statistics import NormalDist
+from typing import Any
+
+from .tolerance import MARGIN
+
+ALPHA = 0.01  # family-wise false-alarm rate per run, both families together
+FIDELITY = 2.0  # the emulation's own error end to end: honest real runs measured at <= 1.49x (module docstring)
+LOCAL_FIDELITY = 2.5  # the same for one module replayed alone: honest real runs measured at <= 1.93x
+
+
+def loo_logs(members: list[float], floor: float) -> list[float]:
+    """The leave-one-out log ratios of one unit's members (empty below 2 members or at a zero band)."""
+    ms = [m for m in members if m is not None and math.isfinite(m)]
+    if len(ms) < 2:
+        return []
+    out = []
+    for k, m in enumerate(ms):
+        rest = max(max(ms[:k] + ms[k + 1 :]), floor)
+        if m > 0 and rest > 0:
+            out.append(math.log(max(m, floor) / rest))
+    return out
+
+
+def threshold(units: Iterable[tuple[list[float], float]], *, margin: float | None = None,
+              alpha: float = ALPHA / 2, fidelity: float = FIDELITY) -> dict[str, Any]:  # fmt: skip
+    """The threshold for one family of ``units`` (members, floor): the rule above, or ``margin``."""
+    units = list(units)
+    if margin is not None:
+        return {"value": float(margin), "rule": "margin", "n": len(units),
+                "text": f"--margin {margin:g} (given: the calibrated rule is off)"}  # fmt: skip
+    logs = [x for ms, floor in units for x in loo_logs(ms, floor)]
+    if not logs:
+        return {"value": MARGIN, "rule": "fixed", "n": len(units),
+                "text": f"no emulated members to calibrate on: the fixed margin {MARGIN:g}x (false-alarm rate not measured)"}  # fmt: skip
+    n = max(len(units), 1)
+    sigma = math.sqrt(sum(x * x for x in logs) / len(logs))
+    z = NormalDist().inv_cdf(1 - alpha / n)
+    top = max(abs(x) for x in logs)
+    stat = math.exp(max(sigma * z, top))
+    value = max(stat, fidelity)
+    why = (f"exp(max({sigma:.3f} x z {z:.2f}, {top:.3f}))" if stat >= fidelity
+           else f"the emulation's fidelity {fidelity:g}x (the members' spread alone: {stat:.2f}x)")  # fmt: skip
+    return {"value": value, "rule": "calibrated", "n": n, "sigma": sigma, "z": z, "max_loo": top, "alpha": alpha,
+            "stat": stat, "fidelity": fidelity,
+            "text": f"{value:.2f}x the band = {why}; {n} units, family-wise false alarm <= {alpha:.1%}"}  # fmt: skip

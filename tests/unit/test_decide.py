@@ -1,0 +1,191 @@
+"""The one decision (oracle/pipeline/decide.py) on synthetic score documents whose rows are built as the
+scorer builds them (members, band = the larger member, excess, class against the calibrated threshold of
+oracle/score/calibrate.py): honest runs with the usual spread are not called, a fault a few times the
+noise in one parameter of an honest layer is, a framework scale is the framework's, and the first line,
+answer 1 and answer 3 never disagree."""
+
+import math
+import random
+
+from oracle.pipeline import answers, decide
+from oracle.score import calibrate
+
+LAYERS = [f"model.layers.{i}" for i in (3, 2, 1, 0)]  # loss end first
+PARAMS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layernorm", "self_attn.o_proj",
+          "self_attn.v_proj", "self_attn.q_proj", "self_attn.k_proj", "input_layernorm"]  # fmt: skip
+SPREAD = 0.15  # log-normal spread of one honest draw's error around its unit's level
+
+
+def _capture(name="B", seed=0, plant=None, scale=None, margin=None):
+    """A score capture: every parameter's honest level 1e-2, two members and the run drawn around it;
+    ``plant`` = (param, factor) multiplies that parameter's error; ``scale`` = c scales every gradient."""
+    rng = random.Random(seed)
+    draw = lambda: 1e-2 * math.exp(rng.gauss(0, SPREAD))  # noqa: E731
+    params = []
+    for lay in LAYERS:
+        for p in PARAMS:
+            members, e = [draw(), draw()], draw()
+            full = f"{lay}.{p}.weight"
+            if plant and plant[0] == full:
+                e *= plant[1]
+            row = {"name": full, "layer": lay, "members": members, "band": max(members), "ref_norm": 1.0}
+            if scale:  # g = t / c with its rounding: ||c g - t|| = e, direction off by e
+                row.update(norm=1 / scale, cosine=1 - e * e / 2, norm_ratio=1 / scale, rel_l2=abs(1 / scale - 1))
+            else:
+                row.update(norm=1.0, cosine=1 - e * e / 2, norm_ratio=1.0, rel_l2=e)
+            params.append(row)
+    layers = []
+    for lay in LAYERS:
+        rows = [p for p in params if p["layer"] == lay]
+        members = [math.sqrt(sum(r["members"][k] ** 2 for r in rows) / len(rows)) for k in (0, 1)]
+        err = math.sqrt(sum(r["rel_l2"] ** 2 for r in rows) / len(rows))
+        layers.append({"name": lay, "members": members, "band": max(members), "rel_l2": err, "worst_param": rows[0]["name"]})
+    thr = calibrate.threshold([(u["members"], 1e-6) for u in params + layers], margin=margin)
+    for u in params + layers:
+        u["excess"] = u["rel_l2"] / u["band"]
+        u["class"] = "beyond_noise" if u["excess"] > thr["value"] else "within_noise"
+        u["nonfinite"] = 0
+    gs = {"c": scale, "rel_l2": abs(1 / scale - 1), "residual_after_scaling": 1e-2, "explains": True} if scale else None
+    return {"name": name, "precision": "bf16", "band_kind": "emulated bf16 x2", "params": params, "layers": layers,
+            "threshold": thr, "num_tokens": 2435,
+            "verdict": {"class": "beyond_noise" if any(u["class"] != "within_noise" for u in params + layers) else "within_noise",
+                        "global_scale": gs, "text": "the scorer's own line"},
+            "loss_check": {"beyond": False, "rel": 1e-6, "band": 1e-2, "text": "the loss agrees"}}  # fmt: skip
+
+
+def _judge(caps, local=None, runs=None):
+    score = {"captures": caps, "margin": None}
+    runs = runs or [{"name": c["name"], "num_tokens": c.get("num_tokens")} for c in caps]
+    d = decide.decide(score, local or {}, runs)
+    a1 = answers.noise(score, d)
+    a3 = answers.born(score, local or {}, decision=d)
+    a4 = answers.op_class(score, {}, a3["per_run"], None, decision=d, runs=runs, local=local or {})
+    return d, a1, a3, a4, answers.headline(a1, a3, a4, answers.framework(score), d)
+
+
+def test_the_threshold_is_the_bonferroni_quantile_of_the_members_spread():
+    """T = exp(max(sigma z(1 - a/N), max |l|)) from the leave-one-out log ratios, floored at the fidelity;
+    without members the fixed margin, with --margin the margin."""
+    units = [([1.0, math.exp(0.3)], 1e-9), ([1.0, math.exp(-0.1)], 1e-9)]
+    t = calibrate.threshold(units)
+    sigma = math.sqrt((0.3**2 * 2 + 0.1**2 * 2) / 4)
+    assert math.isclose(t["sigma"], sigma) and t["n"] == 2 and t["rule"] == "calibrated"
+    assert math.isclose(t["stat"], math.exp(max(sigma * t["z"], 0.3)))
+    assert t["value"] == max(t["stat"], calibrate.FIDELITY)
+    assert calibrate.threshold([([1e-3], 1e-9)])["rule"] == "fixed"
+    assert calibrate.threshold(units, margin=5.0)["value"] == 5.0
+
+
+def test_honest_runs_with_the_usual_spread_are_not_called():
+    """200 synthetic honest runs (72 units each, members and run drawn alike): at most 1 % false alarms
+    would be expected from the rule; more than 4 of 200 fails."""
+    alarms = sum(not decide.decide({"captures": [_capture(seed=s)]})["per_run"][0]["honest"] for s in range(200))
+    assert alarms <= 4, alarms
+
+
+def test_a_fault_a_few_times_the_noise_in_one_parameter_of_an_honest_layer_is_called():
+    """gate_proj of layer 0 at 4x its level (the layer aggregate stays within): faulty, the parameter named in
+    the first line, answer 1 and answer 3, born in that layer's MLP; the same run unplanted is honest."""
+    target = "model.layers.0.mlp.gate_proj.weight"
+    d, a1, a3, _, head = _judge([_capture("A", seed=1), _capture("B", seed=2, plant=(target, 4.0))])
+    b = d["per_run"][1]
+    layer0 = next(r for r in b["layers"] if r["name"] == "model.layers.0")
+    assert layer0["class"] == "within_noise" and [x["name"] for x in b["calls"]] == [target]
+    assert d["faulty"] == ["B"] and head.startswith("answer: B is faulty (beyond its own noise band); born in model.layers.0.mlp")
+    assert "B: NOT honest noise" in a1["text"] and target in a1["text"]
+    assert a3["per_run"][1]["module"] == "model.layers.0.mlp" and a3["per_run"][0]["module"] is None
+
+
+def test_an_honest_answer_says_down_to_what_it_is_honest():
+    """Per layer, the smallest error it would have called: T x the layer's band, in the JSON and the words."""
+    d, a1, *_ = _judge([_capture("A", seed=3)])
+    r = d["per_run"][0]
+    t = r["threshold"]["value"]
+    assert [x["limit"] for x in r["limits"]] == [t * lay["band"] for lay in r["layers"]]
+    assert a1["per_run"][0]["limits"] == r["limits"] and "honest down to" in a1["text"]
+
+
+def test_a_uniform_scale_is_the_frameworks_in_the_first_line_and_the_device_is_judged_on_what_remains():
+    """Every gradient scaled by c = 0.5068 (a loss normalised by the local token count: 1234 of 2435 tokens):
+    the first line names the factor and the token-count ratio as a framework finding, never "B is faulty"."""
+    runs = [{"name": "A", "num_tokens": 2435}, {"name": "B", "num_tokens": 2435, "rank_num_tokens": [1234, 1201]}]
+    d, a1, a3, _, head = _judge([_capture("A", seed=4), _capture("B", seed=5, scale=1234 / 2435)], runs=runs)
+    assert d["faulty"] == [] and "is faulty" not in head
+    assert head.startswith("answer: both runs are honest noise of their own precision on what the framework findings leave")
+    assert "framework finding in B (not the device): every gradient of B is off by one factor: c = 0.506776" in head
+    assert "token-count ratio 1234/2435 (DP rank 0's loss tokens over" in head, head
+    assert "framework finding, not the device" in a1["text"] and a3["per_run"][1]["module"] is None
+    # the same scale with a planted fault on top: the fault is still called
+    d = decide.decide({"captures": [_capture("B", seed=5, scale=0.5068, plant=("model.layers.2.mlp.up_proj.weight", 6.0))]})
+    assert d["faulty"] == ["B"] and d["per_run"][0]["calls"][0]["name"] == "model.layers.2.mlp.up_proj.weight"
+
+
+def test_gradients_left_out_of_the_verdict_are_named_in_the_first_line():
+    cap = _capture("B", seed=6)
+    cap["framework"] = {"excluded": ["model.visual.blocks.0.attn.qkv.weight"], "params": [], "text": "framework finding"}
+    *_, head = _judge([cap])
+    assert "1 gradient(s) of B left out of the verdict (model.visual.blocks.0.attn.qkv.weight): the framework left it" in head
+
+
+def test_a_local_culprit_alone_makes_the_run_faulty_and_forward_attention_gets_its_class_and_forward_advice():
+    """End to end within, the local replay's attention forward beyond its own threshold: faulty, born there
+    (forward), op class attention (forward); a backward culprit with its sub-modules already replayed gets
+    no advice to capture them again."""
+    mod = "model.layers.1.self_attn"
+    local = {"B": {"culprits": [mod], "threshold": {"value": 2.0},
+                   "modules": [{"module": mod, "ratio": 5.4, "direction": "forward", "class": "beyond_noise"}],
+                   "verdict": {"culprit": mod, "direction": "forward", "text": "culprit"}}}  # fmt: skip
+    d, a1, a3, a4, head = _judge([_capture("B", seed=7)], local=local)
+    assert d["faulty"] == ["B"] and a3["per_run"][0]["module"] == mod and a4["per_run"][0]["class"] == "attention (forward)"
+    assert head.startswith("answer: B is faulty") and "op class: attention (forward)" in head
+    mlp = "model.layers.1.mlp"
+    local = {"B": {"culprits": [mlp], "modules": [{"module": mlp, "ratio": 4.0, "direction": "backward"},
+                                                  {"module": f"{mlp}.act_fn", "ratio": 1.0, "direction": None}],
+                   "verdict": {"culprit": mlp, "direction": "backward", "text": "culprit"}}}  # fmt: skip
+    _, _, _, a4, _ = _judge([_capture("B", seed=7)], local=local)
+    r = a4["per_run"][0]
+    assert r["class"] is None and r["settled"] and "ORACLE_CAPTURE_MODULES" not in r["settle"], r
+    local["B"]["modules"].pop()
+    _, _, _, a4, _ = _judge([_capture("B", seed=7)], local=local)
+    assert "ORACLE_CAPTURE_MODULES='decoder\\.layers\\.1\\..*'" not in a4["per_run"][0]["settle"]  # not a layer: its own name
+    assert "whose backward is wrong" in a4["per_run"][0]["settle"]
+
+
+def test_the_first_line_answer_1_and_answer_3_never_disagree():
+    """Across honest, planted, scaled, partial-sum and local-only cases: faulty in the decision <=> "is faulty"
+    in the first line <=> "NOT honest" in answer 1 <=> a module (or "not localised") in answer 3."""
+    norms = ["model.norm.weight", "model.layers.0.self_attn.q_norm.weight"]
+    partial = _capture("B", seed=9)
+    for n in norms:
+        partial["params"].append({"name": n, "layer": "model.layers.0", "members": [1e-2, 1e-2], "band": 1e-2, "rel_l2": 0.5,
+                                  "excess": 50.0, "class": "beyond_noise", "nonfinite": 0, "norm": 0.5, "ref_norm": 1.0,
+                                  "cosine": 1.0, "norm_ratio": 0.5})  # fmt: skip
+    local = {"B": {"culprits": ["model.layers.2.mlp"], "modules": [{"module": "model.layers.2.mlp", "ratio": 3.0,
+                                                                    "direction": "backward"}],
+                   "verdict": {"culprit": "model.layers.2.mlp", "direction": "backward", "text": ""}}}  # fmt: skip
+    cases = [([_capture("A", seed=s), _capture("B", seed=s + 50)], None) for s in range(10)]
+    cases += [([_capture("A", seed=s), _capture("B", seed=s + 50, plant=(f"{LAYERS[s % 4]}.{PARAMS[s % 9]}.weight", 5.0))], None)
+              for s in range(10)]  # fmt: skip
+    cases += [([_capture("B", seed=8, scale=0.5)], None), ([partial], None), ([_capture("B", seed=10)], local)]
+    seen = set()
+    for caps, loc in cases:
+        d, a1, a3, _, head = _judge(caps, local=loc)
+        for r, row1, row3 in zip(d["per_run"], a1["per_run"], a3["per_run"]):
+            faulty = not r["honest"]
+            seen.add(faulty)
+            assert (f"{r['run']} is faulty" in head) == faulty, head
+            assert (f"{r['run']}: NOT honest noise" in a1["text"]) == faulty == (not row1["honest"]), a1["text"]
+            assert bool(row3["module"]) == faulty, row3
+    assert seen == {True, False}
+    d = decide.decide({"captures": [partial]})["per_run"][0]
+    assert d["honest"] and d["framework"][0]["kind"] == "partial_sums"
+
+
+def test_non_finite_gradients_make_the_run_faulty_and_are_placed():
+    cap = _capture("B", seed=11)
+    row = next(p for p in cap["params"] if p["name"] == "model.layers.1.self_attn.o_proj.weight")
+    row.update(nonfinite=3, excess=math.inf, **{"class": "non_finite"})
+    cap["verdict"]["nonfinite_params"] = [row["name"]]
+    d, a1, a3, _, head = _judge([cap])
+    assert d["per_run"][0]["class"] == "non_finite" and "B: NOT honest noise: non-finite gradients" in a1["text"]
+    assert a3["per_run"][0]["module"] == "model.layers.1.self_attn" and head.startswith("answer: B is faulty")
