@@ -122,9 +122,10 @@ def test_a_uniform_scale_is_the_frameworks_in_the_first_line_and_the_device_is_j
 
 def test_gradients_left_out_of_the_verdict_are_named_in_the_first_line():
     cap = _capture("B", seed=6)
-    cap["framework"] = {"excluded": ["model.visual.blocks.0.attn.qkv.weight"], "params": [], "text": "framework finding"}
+    why = "left unreduced across TP ranks by the framework and not the sum of its copies; no per-rank truth"
+    cap["left_out"] = [{"name": "model.visual.blocks.0.attn.qkv.weight", "reason": why}]  # the scorer's list
     *_, head = _judge([cap])
-    assert "1 gradient(s) of B left out of the verdict (model.visual.blocks.0.attn.qkv.weight): the framework left it" in head
+    assert f"1 gradient(s) of B left out of the verdict (model.visual.blocks.0.attn.qkv.weight): {why}" in head
 
 
 def test_a_local_culprit_alone_makes_the_run_faulty_and_forward_attention_gets_its_class_and_forward_advice():
