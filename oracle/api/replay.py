@@ -44,7 +44,7 @@ def replay(opts: ReplayOptions, echo: Echo = print) -> int:
     budget = opts.budget
     do_replay(opts.capture, opts.out, dtype=opts.dtype, ensemble=opts.ensemble, verify=opts.verify_mode,
               directions=opts.directions, overwrite=opts.overwrite, progress=opts.ensemble > 1 or budget is not None,
-              max_memory=budget, split=opts.split)  # fmt: skip
+              max_memory=budget, split=opts.split, replace_work=opts.replace_work)  # fmt: skip
     if distributed.is_main():
         from ..report.text import render_replay
 

@@ -126,8 +126,8 @@ def _work_beside(path: Path) -> str:
     if not work:
         return ""
     return (f"; beside it, {', '.join(work)} may hold a streamed replay's work for this name: with --overwrite "
-            "a streamed rerun of the command that made it resumes it (another run of this tool replaces it; a folder "
-            "this tool did not make is never touched), or delete it")
+            "a streamed rerun of the command that made it resumes it (another command of the same step replaces it; "
+            "another step's, or a folder this tool did not make, is never touched), or delete it")
 
 
 def check_output(path: str | os.PathLike, overwrite: bool) -> None:

@@ -67,6 +67,7 @@ Stage = _choices("Stage", ("pre-finalize", "post-finalize"))
 
 Out = Annotated[Path, typer.Option("--out", help="Bundle directory to write.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace an existing bundle at --out (only a bundle is ever replaced).")]
+ReplayOverwrite = Annotated[bool, typer.Option(help="Replace an existing bundle at --out (only a bundle is ever replaced) and a streamed work folder of this step beside it made by another command; another step's work folder is kept (exit 6).")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="Write the full result as JSON (non-finite numbers as null).")]
 Report = Annotated[Path | None, typer.Option(help="Write PNG, CSV, JSON and an HTML page here.")]
 def _finite_margin(value: float) -> float:
@@ -193,7 +194,7 @@ def replay(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print FLOPs, estimated time, peak memory and disk, then exit; exit 2 where --max-memory is below what the run needs.")] = False,
     nproc: Annotated[int, typer.Option(min=1, help="Spread over N local processes (ensemble members, --local modules); many machines: torchrun -m oracle replay.")] = 1,
     split: Annotated[str, typer.Option(help="How several ranks share the fp64 oracle: tensor (heads, MLP, vocabulary) or tokens (the sequence).")] = "tensor",
-    overwrite: Overwrite = False,
+    overwrite: ReplayOverwrite = False,
 ) -> None:  # fmt: skip
     """Recompute the captured step on CPU in float64 (the oracle) or an emulated low precision.
 

@@ -240,17 +240,20 @@ class Judge:
         return merge_ranks([path], out, recipe=self.recipe, dp_rank=self.dp_rank, overwrite=overwrite)
 
     def _replay(self, cap: Path, out: Path, overwrite: bool, dtype: str, ensemble: int = 1) -> None:
+        """A stage's replay into ``out`` inside the judge's own folder: its streamed work folder, if one of ours
+        is left there for other inputs (a killed run before a capture changed), is the judge's to replace
+        (``replace_work="any-ours"``, a narrower power than a user's --overwrite: streaming/workdir.py)."""
         tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
         if self.nproc > 1 and tp_ok:
             opts = ReplayOptions(capture=cap, out=out, dtype=dtype, ensemble=ensemble, max_memory=self.max_memory,
-                                 nproc=self.nproc, threads=self.threads, overwrite=True)  # fmt: skip
+                                 nproc=self.nproc, threads=self.threads, overwrite=True, replace_work="any-ours")  # fmt: skip
             _ranks(opts, f"replay {dtype}", self._echo)
             return
         from ..replay.run import replay
 
         self._threads()
         replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
-               verify="auto" if self.budget is None else "off")  # fmt: skip
+               verify="auto" if self.budget is None else "off", replace_work="any-ours")  # fmt: skip
 
     def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
         if self.nproc > 1:

@@ -41,6 +41,9 @@ class ReplayOptions:
     nproc: int = 1
     split: str = "tensor"
     overwrite: bool = False
+    #: which streamed work folder of ours that is not this run's may be replaced (streaming/workdir.py): "this-step"
+    #: (with --overwrite, of this step and --out) or "any-ours" (the judge's stages, inside its own --out); no CLI option
+    replace_work: str = "this-step"
 
     def __post_init__(self) -> None:
         for f in ("capture", "out", "max_memory", "modules"):  # Path-likes in, strings kept (JSON-serialisable)
@@ -51,6 +54,8 @@ class ReplayOptions:
             raise UsageError("give --out: the bundle directory to write (only --dry-run needs none)")
         if self.dtype not in precisions.REPLAY_NAMES:
             raise UsageError(f"--dtype {self.dtype!r}: expected one of {', '.join(precisions.REPLAY_NAMES)}")
+        if self.replace_work not in ("this-step", "any-ours"):
+            raise UsageError(f"replace_work {self.replace_work!r}: expected 'this-step' or 'any-ours'")
         if self.split not in SPLITS:
             raise UsageError(f"--split {self.split!r}: expected one of {', '.join(SPLITS)}")
         for f in ("ensemble", "directions", "workers", "members", "nproc", "threads"):

@@ -96,11 +96,18 @@ def replay(
     activation_budget: int | None = None,
     token_chunk: int | None = None,
     split: str = "tensor",
+    replace_work: str = "this-step",
 ) -> Path:
     """Replay ``capture`` into ``out``; with ``max_memory`` (bytes) through the streaming engine.
     ``split``: how several ranks share the float64 oracle, ``tensor`` (heads, MLP columns, vocabulary:
-    oracle/parallel/tensor_parallel.py) or ``tokens`` (the sequence: oracle/parallel/token_parallel.py)."""
+    oracle/parallel/tensor_parallel.py) or ``tokens`` (the sequence: oracle/parallel/token_parallel.py).
+    ``replace_work``: which streamed work folder of ours beside ``out`` that is not this run's is replaced:
+    ``"this-step"`` (with ``overwrite`` only: one of this step and --out made by another command) or
+    ``"any-ours"`` (whatever it describes, ``overwrite`` or not: only for a caller that owns the folder
+    ``out`` lies in, the judge's stages); a folder this tool did not make never is (streaming/workdir.py)."""
     precisions.get(dtype)
+    if replace_work not in ("this-step", "any-ours"):
+        raise UsageError(f"replace_work is 'this-step' or 'any-ours', got {replace_work!r}")
     if split not in ("tensor", "tokens"):
         raise UsageError(f"--split is 'tensor' or 'tokens', got {split!r}")
     if split == "tokens" and dtype != "fp64":
@@ -149,7 +156,7 @@ def replay(
 
         return replay_streamed(cap, Path(out), dtype=dtype, ensemble=ensemble, budget=max_memory, overwrite=overwrite,
                                progress=progress, base=base, t0=t0, activation_budget=activation_budget,
-                               token_chunk=token_chunk, split=split)  # fmt: skip
+                               token_chunk=token_chunk, split=split, replace_work=replace_work)  # fmt: skip
     if dtype == "fp64":
         summed: list[str] = []  # tensor parallel (oracle/parallel/tensor_parallel.py): gradients summed over ranks
 

@@ -101,6 +101,51 @@ def test_a_work_folder_of_another_run_is_named_and_replaced_only_with_overwrite(
     assert Bundle(tmp_path / "o").get("streaming")["resumed"] is False and not work.exists()
 
 
+@pytest.fixture(scope="module")
+def other_step(fp32_capture, tmp_path_factory):
+    """The fp32 capture with one weight nudged: another step (another fingerprint), everything else the same."""
+    from oracle.bundle.store import BundleWriter
+
+    src = Bundle(fp32_capture)
+    out = tmp_path_factory.mktemp("other-step") / "cap"
+    with BundleWriter(out, "capture") as w:
+        w.manifest.update({k: v for k, v in src.manifest.items() if k not in ("tensors", "schema_version", "kind", "fingerprint")})
+        for group in src.groups():
+            t = src.load_group(group)
+            if group == "weights":
+                name = sorted(t)[0]
+                t[name] = t[name] + 1e-3
+            w.add(group, t)
+    assert Bundle(out).fingerprint() != src.fingerprint()
+    return str(out)
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under ``folder``: a file's bytes, None for a folder."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_a_work_folder_of_another_step_is_kept_even_with_overwrite(fp32_capture, other_step, tmp_path, monkeypatch):
+    """Issue 41: an interrupted streamed replay of one capture into o, then a replay of another step into o with
+    --overwrite (library and CLI): exit 6 naming the folder as another step's, every byte of it kept; only a
+    caller owning the folder around --out (the judge's stages: replace="any-ours") replaces it."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch)
+    before = _tree(work)
+    with pytest.raises(OutputExists, match=r"\.o\.partial exists and was left as it is: .*of a replay of another step"):
+        replay(other_step, tmp_path / "o", max_memory=BUDGET, overwrite=True)
+    assert _tree(work) == before and not (tmp_path / "o").exists()
+    res = invoke("replay", other_step, "--out", tmp_path / "o", "--max-memory", "8G", "--overwrite")
+    assert res.exit_code == 6 and "another step" in res.output and "delete it" in res.output, res.output
+    assert _tree(work) == before and not (tmp_path / "o").exists()
+    head = {k: v for k, v in json.loads((work / "header.json").read_text()).items() if k not in ("made_by", "nonce", "mac")}
+    other = {**head, "fingerprint": json.dumps(Bundle(other_step).fingerprint(), sort_keys=True)}
+    with pytest.raises(OutputExists, match="another step"):
+        workdir.open_work(tmp_path / "o", other, overwrite=True)
+    assert _tree(work) == before
+    assert workdir.open_work(tmp_path / "o", other, replace="any-ours") == (work, False)
+    assert sorted(os.listdir(work)) == ["header.json"]
+
+
 @pytest.mark.parametrize("signed", [False, True], ids=["forged", "signed-with-our-key"])
 def test_a_journal_record_naming_a_path_outside_moves_nothing(fp32_capture, tmp_path, monkeypatch, whole, signed):
     """A record naming ../x.safetensors (forged, or even carrying a valid MAC): the user's file stays where it is,

@@ -23,6 +23,7 @@ RULES = [
     (dict(capture="c", out="o", ensemble=0), "--ensemble 0"),
     (dict(capture="c", out="o", threads=True), "--threads True"),
     (dict(capture="c", out="o", max_memory="lots"), "--max-memory 'lots'"),
+    (dict(capture="c", out="o", replace_work="all"), "replace_work 'all'"),
 ]
 
 
@@ -41,10 +42,11 @@ def test_the_cli_says_the_options_message(tmp_path):
 
 def test_replay_options_travel_as_json_and_come_back_equal():
     """for_rank is JSON-serialisable and from_dict rebuilds the same options (one process, the rank's threads)."""
-    o = ReplayOptions(capture="c", out="o", dtype="amp-bf16", ensemble=3, max_memory="2G", verify=False, nproc=4, threads=8)
+    o = ReplayOptions(capture="c", out="o", dtype="amp-bf16", ensemble=3, max_memory="2G", verify=False, nproc=4, threads=8,
+                      replace_work="any-ours")  # fmt: skip
     d = json.loads(json.dumps(o.for_rank(2)))
     back = ReplayOptions.from_dict(d)
-    assert back.nproc == 1 and back.threads == 2 and back.budget == 2 << 30
+    assert back.nproc == 1 and back.threads == 2 and back.budget == 2 << 30 and back.replace_work == "any-ours"
     assert (back.capture, back.dtype, back.ensemble, back.verify_mode) == ("c", "amp-bf16", 3, "off")
     with pytest.raises(UsageError, match="unknown surprise"):
         ReplayOptions.from_dict({**d, "surprise": 1})

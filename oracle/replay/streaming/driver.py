@@ -47,8 +47,9 @@ def work_header(cap: Bundle, dtype: str, ensemble: int, out: Path, split: str = 
 
 def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget: int, overwrite: bool, progress: bool,
                     base: dict[str, Any], t0: float, activation_budget: int | None = None,
-                    token_chunk: int | None = None, split: str = "tensor") -> Path:  # fmt: skip
-    """``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
+                    token_chunk: int | None = None, split: str = "tensor", replace_work: str = "this-step") -> Path:  # fmt: skip
+    """``replace_work``: which work folder of ours beside ``out`` may be replaced (streaming/workdir.py, ``open_work``);
+    ``activation_budget`` (bytes) overrides the activations' share of the budget (tests force spilling);
     ``token_chunk`` the rows per chunk of per-token submodules (tests force chunking; default tokens.CHUNK);
     ``split="tokens"`` with several ranks: the float64 step split by tokens (``_replay_tokens``)."""
     from ..setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries
@@ -67,6 +68,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         out if ranks == 1 else out.with_name(f"{out.name}.rank{distributed.rank()}"),
         work_header(cap, dtype, ensemble, out, "tokens" if by_tokens else "tensor"),
         overwrite=overwrite,
+        replace=replace_work,
     )
     if by_tokens:
         return _replay_tokens(cap, out, recipe, inputs, work, adopted, compute=compute, reduction=reduction, budget=budget,

@@ -467,10 +467,10 @@ class StreamEngine:
 
 
 # -- the work directory ---------------------------------------------------------------------------
-def work_dir(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> tuple[Path, bool]:
+def work_dir(out: Path, header: dict[str, Any], *, overwrite: bool = False, replace: str = "this-step") -> tuple[Path, bool]:
     """``.NAME.partial`` beside ``out``: adopted (resume) only when it is ours for this run, a new one
     otherwise; a folder that is not ours is never touched (streaming/workdir.py, exit 6)."""
-    return workdir.open_work(out, header, overwrite=overwrite)
+    return workdir.open_work(out, header, overwrite=overwrite, replace=replace)
 
 
 MAX_SIZE = 1 << 60  # 1 EiB: larger is a typo, not a budget

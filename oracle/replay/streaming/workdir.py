@@ -9,8 +9,14 @@ the user's own, another tool's, a run of another step, or ours but damaged. Rule
   canonical JSON: what made it (``made_by``), the oracle version, the step's fingerprint, the
   command (dtype, ensemble, threads, ranks, the --out name) and a random nonce. A folder is adopted
   only if its header verifies and equals this run's. Anything else is left exactly as it is and
-  named (OutputExists, exit 6); never deleted, never moved. With ``--overwrite`` a folder whose
-  header verifies (ours) but describes another run is replaced; a foreign one never is.
+  named (OutputExists, exit 6); never deleted, never moved. With ``--overwrite`` a folder of ours
+  (its header verifies) is replaced only when it is provably this run's: the same step (fingerprint)
+  and the same ``--out`` name, made by another command (dtype, ensemble, threads, ranks, version).
+  One of ours for another step (a replay of another capture that used this --out name: hours of
+  someone's work) is named and kept: resume it with the command that made it, or delete it. A
+  caller that owns the folder ``out`` lies in (the judge's stages, inside its own marked --out)
+  passes ``replace="any-ours"``: any folder of ours that is not this run's is replaced, as the
+  stage's inputs changed. A foreign folder is never replaced.
 - Every journal record (one JSON line) carries a MAC over the header's nonce and the record, so
   records are bound to this folder; its file must be a plain name of the form we write
   (``shard-00001.safetensors``, ``gin-<12 hex>-<call>.safetensors``), a regular file inside the
@@ -101,9 +107,18 @@ def _differences(have: dict, want: dict) -> list[str]:
     return [f"{k} {have.get(k)!r} (this run: {want.get(k)!r})" for k in keys if have.get(k) != want.get(k)][:3]
 
 
-def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> tuple[Path, bool]:
+REPLACE = ("this-step", "any-ours")  #: which work folders of ours that are not this run's a replay may replace
+THIS_STEP = ("fingerprint", "out")  # a folder of ours with these equal is provably this run's (other settings)
+
+
+def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False, replace: str = "this-step") -> tuple[Path, bool]:
     """``.NAME.partial`` beside ``out``: ``(path, adopted)``. A new folder is made with a signed header;
-    an existing one is adopted only if its header verifies and describes this run, else OutputExists."""
+    an existing one is adopted only if its header verifies and describes this run. One of ours that does
+    not is replaced with ``overwrite`` where it is of this step and --out (``THIS_STEP``), or with
+    ``replace="any-ours"`` (a caller owning the folder around ``out``: the judge's stages) whatever it
+    describes; anything else: OutputExists, the folder left as it is."""
+    if replace not in REPLACE:
+        raise ValueError(f"replace={replace!r}: expected one of {REPLACE}")
     work = out.parent / f".{out.name}.partial"
     want = {"made_by": MADE_BY, **header}
     if (work.exists() or work.is_symlink()) and not _empty_dir(work):
@@ -111,14 +126,12 @@ def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> 
         if have is not None and {k: v for k, v in have.items() if k != "nonce"} == want:
             _NONCES[str(work.resolve())] = have["nonce"]
             return work, True
-        if have is not None and have.get("made_by") == MADE_BY and overwrite:
-            shutil.rmtree(work)  # ours (the header verifies), of another run: --overwrite replaces it
+        ours = have is not None and have.get("made_by") == MADE_BY
+        this_step = ours and all(have.get(k) == want.get(k) for k in THIS_STEP)
+        if ours and (replace == "any-ours" or (overwrite and this_step)):
+            shutil.rmtree(work)  # ours (the header verifies), of this step under other settings, or the caller's own
         else:
-            why = (f"it is this tool's work folder of another run ({'; '.join(_differences(have, want))})"
-                   if have is not None else "it holds no header signed by this tool for this user (not ours, or damaged)")  # fmt: skip
-            fix = ("rerun the command that made it to resume, pass --overwrite to replace it, or delete it"
-                   if have is not None else "if it is not yours to keep, delete or move it yourself; or choose another --out")  # fmt: skip
-            raise OutputExists(f"work folder {work} exists and was left as it is: {why}; {fix}")
+            raise OutputExists(f"work folder {work} exists and was left as it is: {_refusal(have, want, this_step)}")
     body = {**want, "nonce": secrets.token_hex(16)}
     try:
         _make(work, body)
@@ -126,6 +139,20 @@ def open_work(out: Path, header: dict[str, Any], *, overwrite: bool = False) -> 
         raise OutputError(f"cannot make the work folder {work}: {e.strerror or e} ({e.filename or work.parent})") from None
     _NONCES[str(work.resolve())] = body["nonce"]
     return work, False
+
+
+def _refusal(have: dict | None, want: dict, this_step: bool) -> str:
+    """Why a work folder is not this run's to adopt or replace, and what the user can do."""
+    if have is None or have.get("made_by") != MADE_BY:
+        return ("it holds no header signed by this tool for this user (not ours, or damaged); "
+                "if it is not yours to keep, delete or move it yourself; or choose another --out")  # fmt: skip
+    if this_step:
+        return (f"it is this tool's work folder of another run of this step ({'; '.join(_differences(have, want))}); "
+                "rerun the command that made it to resume, pass --overwrite to replace it, or delete it")  # fmt: skip
+    what = "another step (its capture's inputs or weights differ from this capture's)" if have.get("fingerprint") != want.get(
+        "fingerprint") else f"another --out ({have.get('out')!r}; moved here?)"  # fmt: skip
+    return (f"it is this tool's work folder of a replay of {what}, someone's unfinished work that --overwrite "
+            "does not replace; resume it with the command that made it, choose another --out, or delete it (rm -r)")
 
 
 def _empty_dir(p: Path) -> bool:
