@@ -80,6 +80,7 @@ def test_two_ranks_spread_the_local_replay_with_the_same_rows(cap, tmp_path):
     assert len(rows) >= 3 and rows == want
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
     """SIGKILL rank 1 once its member's journal holds finished units: the launcher stops rank 0 and
     exits 10 naming rank 1; the same command resumes from both ranks' journals and ends bitwise equal."""
@@ -107,6 +108,7 @@ def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_hung_rank_stops_the_run_within_the_timeout(cap, tmp_path):
     """SIGSTOP rank 1 mid-step (a hang, not a death): rank 0's watchdog names it within
     ORACLE_RANK_TIMEOUT and the run exits 10."""

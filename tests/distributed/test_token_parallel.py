@@ -136,6 +136,7 @@ def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
     assert UsageError.exit_code == 2
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
     """SIGKILL rank 1 once every rank has built its model (inside the step's exchanges): the launcher
     stops rank 0 and exits 11 naming rank 1; no bundle is written."""

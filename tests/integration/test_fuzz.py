@@ -25,6 +25,8 @@ from cli import app
 from oracle.bundle.store import Bundle, BundleWriter
 from oracle.errors import EXIT_CODES, BundleError, OracleError
 
+pytestmark = pytest.mark.rare  # a fuzzer: .ci/run's `pytest tests -m rare` (tests/conftest.py)
+
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 TENSORS = {

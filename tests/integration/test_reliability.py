@@ -490,6 +490,7 @@ def test_comparing_two_large_logs_is_not_quadratic():
 
 
 # -- SIGKILL at random points, in a separate process --------------------------------------------
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_sigkill_during_capture_replay_and_merge_loses_nothing(tmp_path):
     """Every kill leaves the old bundle or the new one, complete; reruns succeed; no temporaries
     remain; two simultaneous writers of one name: one bundle and one exit 6."""
@@ -534,6 +535,7 @@ replay(cap, out, overwrite=True)
 """
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 @pytest.mark.parametrize("path", ["renameat2", "fallback"])
 def test_overwrite_sigkilled_between_its_moves_keeps_the_old_bundle_or_the_new_one(fp32_capture, oracle_bundle, tmp_path, path):
     """`oracle replay --overwrite` SIGKILLed between the fallback's two renames (NAME absent), or after the

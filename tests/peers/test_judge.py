@@ -362,6 +362,7 @@ def test_captures_with_module_boundaries_get_the_local_culprit_and_the_op_class(
     assert "explain-A: skipped" in res.stderr
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_nproc_spreads_the_replays_over_ranks_and_gives_the_same_answer(runs, judged, tmp_path):
     """--nproc 2: the band's members run on 2 ranks (its manifest records them) and the answer is the same."""
     from oracle.bundle.store import Bundle
@@ -435,6 +436,7 @@ def _leftovers(work: Path) -> list[str]:
                   if any(k in p.name for k in (".tmp-", ".old-", ".claim-", ".partial")))  # fmt: skip
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_judge_killed_at_each_stage_boundary_then_rerun_ends_with_the_same_report_and_no_leftovers(runs, budget, judged, tmp_path):
     """SIGKILL inside a merge, inside the streamed truth, right after the truth, as the score starts and as the
     report is written (one run killed at each moment, in order, KILLS); each rerun resumes where the last one
@@ -480,6 +482,7 @@ def test_judge_out_onto_a_capture_or_a_user_folder_is_refused_and_nothing_touche
         assert after == before
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_stage_is_never_reused_after_an_input_changed_in_place(runs, budget, judged, tmp_path):
     """A rank file of run B rewritten in place (its manifest untouched): the rerun does not reuse the merge,
     the truth or the score; the changed bytes are found (exit 4), never reported from the old work."""
