@@ -11,10 +11,9 @@ runs them as root) mode 555 stops no write: there the read-only folders are made
 
 from __future__ import annotations
 
+import autocapture_step as step
+import megatron.core  # noqa: F401  (the [test] extra installs it: a missing one is an error, not a skip)
 import pytest
-
-pytest.importorskip("megatron.core")
-import autocapture_step as step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
