@@ -476,8 +476,8 @@ def test_judge_out_onto_a_capture_or_a_user_folder_is_refused_and_nothing_touche
     afile.write_text("keep")
     for out, said in ((cap, "it is a bundle"), (mine, "not a judge work folder of this tool (notes.txt)"), (afile, "not a folder")):
         before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) if out.is_dir() else afile.read_text()
-        res = subprocess.run(_cmd(runs, out, budget), capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
-        assert res.returncode == 6 and said in res.stderr and "Traceback" not in res.stderr, res.stderr
+        res = CliRunner().invoke(app, _cmd(runs, out, budget)[3:])  # refused before any work: in process
+        assert res.exit_code == 6 and said in res.stderr and "Traceback" not in res.output, res.output
         after = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) if out.is_dir() else afile.read_text()
         assert after == before
 
