@@ -5,6 +5,8 @@ Everything session-scoped is built lazily and written under pytest's tmp_path_fa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,10 +83,33 @@ def _deterministic():
 FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "distributed": "distributed", "peers": "peers", "swift": "peers", "mindspeed": "peers"}
 
 
+def _named(config) -> set[Path]:
+    """The files given on the command line by name (a file, or a test of it), not through a folder."""
+    out = set()
+    for a in config.args:
+        p = Path(a.split("::", 1)[0]).resolve()
+        if p.is_file():
+            out.add(p)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every test carries the marker of its folder (tests/unit -> unit, tests/swift -> peers, ...), so -m selects a layer."""
+    """Every test carries the marker of its folder (tests/unit -> unit, tests/swift -> peers, ...), so -m selects a layer.
+
+    Tests marked ``rare`` guard a rare path at many moments (a kill at each stage, fuzzers, concurrent writers,
+    --nproc's launcher): README command 2 (``python -m pytest tests``) deselects them, pytest says how many, and
+    ``.ci/run`` runs them right after it (``python -m pytest tests -m rare``); a -m naming ``rare`` or a file named
+    on the command line selects them as any other test."""
     for item in items:
         parts = item.path.parts
         for folder, marker in FOLDER_MARKERS.items():
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, marker))
+    if "rare" in (config.option.markexpr or ""):
+        return
+    named = _named(config)
+    rare = [i for i in items if i.get_closest_marker("rare") and i.path.resolve() not in named]
+    if rare:
+        config.hook.pytest_deselected(items=rare)
+        drop = {id(i) for i in rare}
+        items[:] = [i for i in items if id(i) not in drop]

@@ -18,6 +18,10 @@ from oracle.parallel.launch import free_port  # noqa: F401  (the one free-port h
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = [sys.executable, "-m", "oracle"]  # the command line as torchrun and --nproc start it
+# How long a test waits for a moment in another process (a journal entry, a rank started, an exit) before it
+# calls it a hang: a guard, never a speed bound. What is waited for comes in seconds on a quiet machine; at
+# load 12 on 2 cores it took minutes (issue 42), so no pass depends on the machine's speed.
+HANG_S = 900
 
 
 def invoke(*args):

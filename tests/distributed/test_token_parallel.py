@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ORACLE, assert_split_within, env_of, packed_vl_capture, rank_pid, run_oracle
+from helpers import HANG_S, ORACLE, assert_split_within, env_of, packed_vl_capture, rank_pid, run_oracle
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -136,6 +136,7 @@ def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
     assert UsageError.exit_code == 2
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
     """SIGKILL rank 1 once every rank has built its model (inside the step's exchanges): the launcher
     stops rank 0 and exits 11 naming rank 1; no bundle is written."""
@@ -143,7 +144,7 @@ def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
     out = tmp_path / "o"
     p = subprocess.Popen([*ORACLE, "replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    killed, store, deadline = None, None, time.time() + 90
+    killed, store, deadline = None, None, time.time() + HANG_S
     while time.time() < deadline and p.poll() is None and killed is None:
         pid = rank_pid(p.pid, 1)
         if pid and store is None:
@@ -158,7 +159,7 @@ def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
             os.kill(pid, signal.SIGKILL)
             killed = pid
         time.sleep(0.005)
-    _, err = p.communicate(timeout=90)
+    _, err = p.communicate(timeout=HANG_S)
     assert killed, "rank 1 finished before it could be killed"
     assert p.returncode == RankError.exit_code, err
     assert "rank 1 of 2 was killed by SIGKILL" in err

@@ -149,6 +149,7 @@ def test_a_ranks_decoder_layers_run_by_row_chunks_within_the_bound(tmp_path):
     assert_bitwise(split, _chunked_split(cap, tmp_path / "again")[0])
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 @pytest.mark.parametrize("kill", ["1:3", "0:3"])
 def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     """ORACLE_TEST_KILL=R:N SIGKILLs rank R right after it journals its N-th unit (inside the backward:
@@ -173,6 +174,7 @@ def test_a_rank_killed_mid_backward_resumes_bitwise(qwen3, tmp_path, kill):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_rank_killed_in_the_vision_tower_resumes_bitwise(packed_vl, tmp_path):
     """Packed tiny Qwen3-VL: rank 1 SIGKILLed after its 7th unit (the head, the 4 decoder layers,
     the merger, ViT block 2). The ViT's backward exchanges nothing, so rank 0 may be several units

@@ -14,6 +14,8 @@ import torch
 
 from oracle.bundle.store import Bundle
 
+pytestmark = pytest.mark.rare  # concurrent writers: .ci/run's `pytest tests -m rare` (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 HOLD = """

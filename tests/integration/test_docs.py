@@ -74,3 +74,35 @@ def test_there_are_at_least_five_docs_pages_each_linked_from_the_readme():
     assert len(pages) >= 5, pages
     unlinked = [p for p in pages if f"(docs/{p})" not in README]
     assert not unlinked, unlinked
+
+
+SKIP_SITE = re.compile(r"pytest\.skip\(|\bskipif\(|importorskip\(")
+
+
+def _listed(paragraph: str) -> set[str]:
+    """The files a README paragraph names in backticks: a path with a folder sets the folder for the bare names after it."""
+    folder, names = "", set()
+    for token in re.findall(r"`([\w/.-]+\.py)`", paragraph):
+        if "/" in token:
+            folder = token.rsplit("/", 1)[0]
+            names.add(token)
+        else:
+            names.add(f"{folder}/{token}")
+    return names
+
+
+def test_readme_skip_list_is_every_place_a_test_can_be_skipped_each_saying_why():
+    """README's skip list names exactly the files of tests/ holding a skip (pytest -rs prints each skip at its file
+    with its reason), every skipif gives a reason, and the CUDA count is the CUDA test's parametrization."""
+    import importlib.util
+
+    paragraph = README.split("**Skips**", 1)[1].split("\n\n", 1)[0]
+    sites = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tests").rglob("*.py")) if SKIP_SITE.search(p.read_text())}
+    assert _listed(paragraph) == set(sites), (sorted(_listed(paragraph) - set(sites)), sorted(set(sites) - _listed(paragraph)))
+    for path, text in sites.items():
+        for call in re.findall(r"skipif\((.*?)\)\s*\n", text, flags=re.S):
+            assert "reason=" in call, (path, call)
+    spec = importlib.util.spec_from_file_location("autocast_diff", ROOT / "tests" / "unit" / "test_autocast_diff.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert f"{2 * len(mod.CASES)} CUDA cases" in paragraph, paragraph

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,8 @@ from hypothesis import strategies as st
 from oracle.bundle import atomic
 from oracle.bundle.store import Bundle, BundleWriter
 from oracle.score.scorer import score
+
+pytestmark = pytest.mark.rare  # a fuzzer: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 from helpers import invoke, rewrite_grads
@@ -71,14 +70,13 @@ def test_a_tol_floor_applies_without_a_band(fp32_capture, oracle_bundle, tmp_pat
 
 
 def test_a_catastrophic_pattern_is_stopped_by_the_time_guard(tmp_path, monkeypatch):
-    """A backtracking --pattern ((a|aa)+ on 'aaa...b') stops within the guard with exit 8, naming the line."""
+    """A backtracking --pattern ((a|aa)+ on 'aaa...b': about fib(60) = 1.5e12 steps) is stopped by the guard with
+    exit 8, naming the line and the guard's 0.2 s (only the guard can end that search: no clock is read here)."""
     log = tmp_path / "x.log"
     log.write_text("[DEBUG_GRAD_NORM][X] a.weight norm=1.0\n" + "a" * 60 + "b\n")
     monkeypatch.setattr(normlog, "PATTERN_LINE_SECONDS", 0.2)
-    t0 = time.monotonic()
     with pytest.raises(LogParseError, match="line 2: the pattern .* took over 0.2 s"):
         normlog.parse(log, pattern=r"^(?P<name>(a|aa)+)(?P<value>\d)$")
-    assert time.monotonic() - t0 < 20
     res = invoke("import-log", log, "--out", tmp_path / "n", "--pattern", r"^(?P<name>(a|aa)+)(?P<value>\d)$")
     assert res.exit_code == 8 and "catastrophic backtracking" in res.output, res.output
     assert not (tmp_path / "n").exists()

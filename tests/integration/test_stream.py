@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import packed_text_capture
+from helpers import HANG_S, packed_text_capture
 from typer.testing import CliRunner
 
 from cli import app
@@ -103,7 +103,7 @@ def test_a_killed_streaming_replay_resumes_bitwise(fp32_capture, tmp_path, extra
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     journal = tmp_path / ".o.partial" / member / "journal.jsonl"
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
+    deadline = time.time() + HANG_S
     while time.time() < deadline and p.poll() is None:
         if journal.exists() and sum(1 for line in journal.read_text().splitlines() if '"unit"' in line) >= 3:
             os.kill(p.pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from oracle.bundle.store import Bundle
@@ -36,6 +37,7 @@ def _journalled(work: Path) -> dict[str, list[str]]:
             for m in sorted(work.iterdir()) if (m / "journal.jsonl").is_file()}  # fmt: skip
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_an_amp_band_member_killed_anywhere_in_its_backward_resumes_bitwise(amp_capture, tmp_path):
     """Killed five times in a row (text and vision backward of the oracle-like member and of a
     jittered member, between a call's input gradients and its unit's shard, during a resume), the
@@ -165,6 +167,7 @@ def test_the_app_invoked_inside_another_program_never_execs_it(fp32_capture, tmp
     assert res.exit_code == 0 and Bundle(tmp_path / "o").kind == "oracle", res.output
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise(fp32_capture, tmp_path):
     """Killed after layers.3's input gradients were dropped but before layers.2's shard: layers.2 is
     recomputed on resume and still receives layers.3's input gradients (dropped only once every unit
@@ -214,6 +217,7 @@ def test_a_work_folder_left_after_publishing_is_named_and_overwrite_settles_it(f
     assert sorted(again) == sorted(first) and [n for n in first if not torch.equal(first[n], again[n])] == []
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_killed_float64_truth_resumes_with_an_uninterrupted_runs_manifest(fp32_capture, tmp_path):
     """The float64 truth killed twice (after a call's input gradients, after a unit's shard) ends with the
     manifest of an uninterrupted streamed run: gradients bitwise, backward order, and ``numerics.promotions``
