@@ -28,6 +28,10 @@ from oracle.integrations.megatron.rankview import compare_rank, rank_view
 from oracle.replay.run import replay
 from oracle.score.scorer import score
 
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not any((ROOT / v).exists() for v in (".venv-swift", ".venv-mindspeed")),
+                                reason="neither pinned env (.venv-swift, .venv-mindspeed) is built: bash .ci/swift-env, .ci/mindspeed-env")
+
 CU_SEQLENS = [0, 55, 94, 175, 176]  # ms-swift's collation: 3 samples, then the SP pad token alone
 LAYERS = [f"model.language_model.layers.{i}" for i in range(4)]
 
