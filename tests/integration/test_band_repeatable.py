@@ -62,7 +62,8 @@ def test_a_streamed_judge_rerun_on_a_loaded_machine_gives_the_same_report(amp_ca
     """`oracle judge A B --max-memory 2G --threads 2`, then its band replayed again where a loaded machine leaves
     the activations no memory (the measured resident set is the whole budget: every activation spilled): the band
     bitwise, judge.json equal but for timings, judge.txt byte for byte."""
-    args = ["judge", amp_capture, amp_capture, "--name", "A", "--name", "B", "--max-memory", "2G", "--threads", "2"]
+    twin = shutil.copytree(amp_capture, tmp_path / "B")  # the same step in another folder (a folder judged against itself is refused)
+    args = ["judge", amp_capture, twin, "--name", "A", "--name", "B", "--max-memory", "2G", "--threads", "2"]
     first = invoke(*args, "--out", tmp_path / "j1")
     assert first.exit_code == 0, first.output
     shutil.copytree(tmp_path / "j1", tmp_path / "j2")  # the truth reused; the band, score and report made again
