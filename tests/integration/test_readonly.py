@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def _cases(cap: str, out: Path) -> dict[str, list[str]]:
     return {
         "replay": ["replay", cap, "--out", str(out / "o")],
         "streamed replay": ["replay", cap, "--out", str(out / "o"), "--max-memory", "1G"],
-        "judge": ["judge", cap, cap, "--name", "A", "--name", "B", "--out", str(out / "j")],
+        "judge": ["judge", cap, str(shutil.copytree(cap, out.parent.parent / "twin", dirs_exist_ok=True)),  # A's step, another folder
+                  "--name", "A", "--name", "B", "--out", str(out / "j")],
         "import-log": ["import-log", str(log), "--out", str(out / "b")],
     }
 
