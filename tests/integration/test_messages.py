@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,7 +207,8 @@ def test_judge_estimates_count_each_packed_samples_attention_calls(fp32_capture,
     per_sample = cfg["text_config"]["num_hidden_layers"] + cfg["vision_config"]["depth"]
     one, three = (plan(Bundle(c), "fp64", streamed=False) for c in (fp32_capture, packed))
     assert (one["attention_calls"], three["attention_calls"]) == (per_sample, 3 * per_sample)
-    j = judge_mod.Judge(packed, packed, out=tmp_path / "j", names=["a", "b"], ensemble=2)
+    twin = shutil.copytree(packed, tmp_path / "twin")  # the same step in another folder (one folder as both runs is refused)
+    j = judge_mod.Judge(packed, twin, out=tmp_path / "j", names=["a", "b"], ensemble=2)
     est = j.estimates([Bundle(packed), Bundle(packed)])
     fixed = est["truth"]["seconds"] - est["truth"]["gemm_seconds"]
     assert fixed / j.probe_s == pytest.approx(eta.TRUTH_PROBES + eta.TRUTH_CALL_PROBES * 3 * per_sample)
