@@ -44,6 +44,11 @@ def _t(c: dict[str, Any]) -> float:
     return float((c.get("threshold") or {}).get("value") or 3.0)
 
 
+def _tl(c: dict[str, Any]) -> float:
+    """The layers' own threshold (scorer: each family calibrated on its own members), else the parameters'."""
+    return float((c.get("layer_threshold") or {}).get("value") or _t(c))
+
+
 def rescaled(p: dict[str, Any], c: float) -> float | None:
     """rel L2 of c g - t from the row's norms and cosine: sqrt(c^2|g|^2 - 2c<g,t> + |t|^2) / |t|."""
     n, r, cos = p.get("norm"), p.get("ref_norm"), p.get("cosine")
@@ -109,7 +114,7 @@ def _judged(c: dict[str, Any], scale: float | None) -> tuple[list[dict], list[di
     for r in layers:
         if den.get(r["name"]):
             r["excess"] = math.sqrt(num[r["name"]] / den[r["name"]]) / r["band"] if r["band"] else math.inf
-            r["class"] = NONFINITE if r.get("class") == NONFINITE else (BEYOND if r["excess"] > t else WITHIN)
+            r["class"] = NONFINITE if r.get("class") == NONFINITE else (BEYOND if r["excess"] > _tl(c) else WITHIN)
     return params, layers
 
 
@@ -167,7 +172,7 @@ def decide_run(c: dict[str, Any], local: dict[str, Any] | None, run: dict[str, A
         onset = {"layer": lay, "param": worst["name"], "param_excess": worst["excess"], "excess": row.get("excess"),
                  "stays_out": sum(r.get("class") == BEYOND for r in after), "after": len(after),
                  "peak_layer": peak.get("name"), "peak_excess": peak.get("excess")}  # fmt: skip
-    limits = [{"layer": r["name"], "band": r["band"], "limit": t * r["band"]} for r in c.get("layers", []) if r.get("band")]
+    limits = [{"layer": r["name"], "band": r["band"], "limit": _tl(c) * r["band"]} for r in c.get("layers", []) if r.get("band")]
     worst_unit = max([*params, *layers], key=lambda u: u.get("excess") or 0.0, default=None)
     return {
         "run": c["name"], "precision": c.get("precision"), "class": cls, "honest": cls == WITHIN,

@@ -106,7 +106,7 @@ def judge_per_rank(views: list[Bundle], capture: Bundle, names: list[str], preci
         if view is None or len(held) != tp:
             why = ("the capture lacks some rank's copy (framework_grads)" if view is not None else
                    "no per-rank truth: the judge's rank-view stage did not project it (the recipe cannot restrict "
-                   "a rank's part, or a layout without sequence parallel); `oracle rank-view` compares by hand")  # fmt: skip
+                   "a rank's part, a layout without sequence parallel, or a step of several micro-batches); `oracle rank-view` compares by hand")  # fmt: skip
             left_out.append({"name": p, "reason": "left unreduced across TP ranks by the framework and not the sum of "
                              f"its copies; {why}"})  # fmt: skip
             continue

@@ -407,10 +407,15 @@ def _score_capture(plan: dict, layers, layer_of, margin: float | None, rank: dic
         params.append(row)
     by_name = {r["name"]: r for r in params}
     # the threshold: calibrated on this run's members (calibrate.py), or the margin given
+    # two families, each calibrated on its own members' spread with half the end-to-end alpha: a layer aggregates
+    # its parameters, so its members agree more closely than a small-norm parameter's and its own T is lower (one
+    # T pooled over both let a few small parameters' spread hide a layer-wide fault: a bf16 main_grad accumulation
+    # over 96 micro-batches, 4.7x its layers' band, tests/peers/test_two_paths_judge.py)
     units = [(r["members"], tol["floor"]) for r in params]
-    units += [(_layer_members(band_rows, [p for p in ps if p in rows], norms_only), tol["floor"]) for _, ps in layers
-              if any(p in rows for p in ps)]
-    thr = calibrate.threshold(units, margin=margin)
+    layer_units = [(_layer_members(band_rows, [p for p in ps if p in rows], norms_only), tol["floor"]) for _, ps in layers
+                   if any(p in rows for p in ps)]  # fmt: skip
+    thr = calibrate.threshold(units, margin=margin, alpha=calibrate.ALPHA / 4)
+    layer_thr = calibrate.threshold(layer_units, margin=margin, alpha=calibrate.ALPHA / 4)
     margin = thr["value"]
     for row in params:
         row["class"] = _classify(row.pop("error"), row["band"], int(row["nonfinite"]), margin)[1]
@@ -430,7 +435,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float | None, rank: dic
             members = _layer_members(band_rows, present, False)
         band = max(max(members), tol["floor"]) if members else max(tol["expected"], tol["floor"])
         band_low = min(members) if members else band
-        excess, cls = _classify(err, band, int(agg["nonfinite"]), margin)
+        excess, cls = _classify(err, band, int(agg["nonfinite"]), layer_thr["value"])
         worst = max(present, key=lambda p: by_name[p]["excess"])
         # where in the layer the error is born: the first beyond-noise parameter whose gradient
         # the backward completed (the oracle's recorded order), else the worst one
@@ -448,7 +453,7 @@ def _score_capture(plan: dict, layers, layer_of, margin: float | None, rank: dic
         "band_source": str(plan["band"].path) if plan["band"] is not None else None,
         "band_kind": ("emulated " + plan["band"].get("precision") + f" x{plan['band'].get('members', 1)}")
         if plan["band"] is not None else f"tolerance table ({plan['precision']})",
-        "params": params, "layers": layer_rows, "verdict": verdict, "threshold": thr,
+        "params": params, "layers": layer_rows, "verdict": verdict, "threshold": thr, "layer_threshold": layer_thr,
     }  # fmt: skip
 
 
