@@ -263,15 +263,6 @@ def _is_bundle(p: Path) -> bool:
     return p.is_dir() and not p.is_symlink() and looks_like_bundle(p)
 
 
-def clean_stale(final: Path) -> list[str]:
-    """:func:`sweep` of the writers' folders of ``final`` alone (under the folder's lock where it can be taken)."""
-    try:
-        with dir_lock(final.parent):
-            return sweep(final.parent, final.name)
-    except OSError:
-        return sweep(final.parent, final.name)
-
-
 def displaced(final: Path) -> list[Path]:
     """Signed ``.NAME.old-*`` folders beside a missing ``final``: what an interrupted --overwrite left."""
     try:
