@@ -40,7 +40,7 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
-RULE = "calibrated-1"  # the threshold's rule (score/calibrate.py): a score stage of another rule is redone
+RULE = "calibrated-2"  # the threshold's rule (score/calibrate.py): a score stage of another rule is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7
 

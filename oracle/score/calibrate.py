@@ -13,7 +13,14 @@ members' own spread is its null distribution (leave-one-out, K >= 2):
     T      = max(T_stat, FIDELITY)                         LOCAL_FIDELITY for a local replay's rows
 
 (the honest run's band is the max over all K members, the leave-one-out's over K - 1: the null is
-conservative). A family is one run's end-to-end units (parameters and layers) or its local rows;
+conservative). Members need not be exchangeable: member 0 rounds to nearest, the others jittered, and
+where the same rounding repeats (a step of many micro-batches over few samples: a deterministic
+rounding's error adds up coherently, a jittered one's partly cancels) member 0 sits above the others at
+every unit by one factor. Such a systematic offset is not spread: the band already takes the larger
+member, so each member's median log ratio over the family (when >= MIN_CENTER units give one) is
+taken out before sigma and max |l| are formed, and the text states the offset. Measured: a bf16
+main_grad accumulated in bf16 over 96 micro-batches is 4.5-4.7x its band and honest runs <= 1.14x
+(tests/peers/test_two_paths_judge.py) while the raw leave-one-out spread (sigma 1.0) put T at 58x. A family is one run's end-to-end units (parameters and layers) or its local rows;
 each gets alpha_f = ALPHA / 2, so the family-wise false-alarm rate of a run is at most ALPHA.
 
 FIDELITY is the emulation's own error: real runs are not the emulation (other kernels, other
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from statistics import NormalDist
+from statistics import NormalDist, median
 from typing import Any
 
 from .tolerance import MARGIN
@@ -42,17 +49,29 @@ FIDELITY = 2.0  # the emulation's own error end to end: honest real runs measure
 LOCAL_FIDELITY = 2.5  # the same for one module replayed alone: honest real runs measured at <= 1.93x
 
 
-def loo_logs(members: list[float], floor: float) -> list[float]:
-    """The leave-one-out log ratios of one unit's members (empty below 2 members or at a zero band)."""
-    ms = [m for m in members if m is not None and math.isfinite(m)]
+MIN_CENTER = 8  # units a member's systematic offset is estimated from (fewer: none is taken out)
+
+
+def loo_logs(members: list[float], floor: float) -> list[tuple[int, float]]:
+    """The leave-one-out log ratios of one unit's members as (member index, l) (empty below 2 finite
+    members or at a zero band)."""
+    ms = [(k, m) for k, m in enumerate(members) if m is not None and math.isfinite(m)]
     if len(ms) < 2:
         return []
     out = []
-    for k, m in enumerate(ms):
-        rest = max(max(ms[:k] + ms[k + 1 :]), floor)
+    for i, (k, m) in enumerate(ms):
+        rest = max(max(x for _, x in ms[:i] + ms[i + 1 :]), floor)
         if m > 0 and rest > 0:
-            out.append(math.log(max(m, floor) / rest))
+            out.append((k, math.log(max(m, floor) / rest)))
     return out
+
+
+def _offsets(pairs: list[tuple[int, float]]) -> dict[int, float]:
+    """Each member's systematic log offset: the median of its leave-one-out logs (MIN_CENTER or more)."""
+    by: dict[int, list[float]] = {}
+    for k, x in pairs:
+        by.setdefault(k, []).append(x)
+    return {k: median(xs) for k, xs in by.items() if len(xs) >= MIN_CENTER}
 
 
 def threshold(units: Iterable[tuple[list[float], float]], *, margin: float | None = None,
@@ -62,7 +81,9 @@ def threshold(units: Iterable[tuple[list[float], float]], *, margin: float | Non
     if margin is not None:
         return {"value": float(margin), "rule": "margin", "n": len(units),
                 "text": f"--margin {margin:g} (given: the calibrated rule is off)"}  # fmt: skip
-    logs = [x for ms, floor in units for x in loo_logs(ms, floor)]
+    pairs = [p for ms, floor in units for p in loo_logs(ms, floor)]
+    offsets = _offsets(pairs)
+    logs = [x - offsets.get(k, 0.0) for k, x in pairs]
     if not logs:
         return {"value": MARGIN, "rule": "fixed", "n": len(units),
                 "text": f"no emulated members to calibrate on: the fixed margin {MARGIN:g}x (false-alarm rate not measured)"}  # fmt: skip
@@ -74,6 +95,9 @@ def threshold(units: Iterable[tuple[list[float], float]], *, margin: float | Non
     value = max(stat, fidelity)
     why = (f"exp(max({sigma:.3f} x z {z:.2f}, {top:.3f}))" if stat >= fidelity
            else f"the emulation's fidelity {fidelity:g}x (the members' spread alone: {stat:.2f}x)")  # fmt: skip
+    apart = math.exp(max((abs(o) for o in offsets.values()), default=0.0))
+    if apart >= 1.5:
+        why += f"; the members sit {apart:.2f}x apart at every unit (a systematic offset, taken out: the band holds the larger)"
     return {"value": value, "rule": "calibrated", "n": n, "sigma": sigma, "z": z, "max_loo": top, "alpha": alpha,
-            "stat": stat, "fidelity": fidelity,
+            "stat": stat, "fidelity": fidelity, "members_apart": apart,
             "text": f"{value:.2f}x the band = {why}; {n} units, family-wise false alarm <= {alpha:.1%}"}  # fmt: skip

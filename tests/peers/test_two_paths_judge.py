@@ -263,9 +263,6 @@ def test_honest_runs_over_96_micro_batches_are_both_honest(accumulated_judged):
     assert "Traceback" not in out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40, open: the calibrated threshold misses it. Over 96 micro-batches the two "
-                   "emulated members disagree by sigma 1.0 (log), so T = 58x while the fault stands 4.7x its band (lm_head "
-                   "4.5x, o_proj 4.68x; the honest run <= 1.14x); the fixed 3x margin called it. strict: passing again fails")
 def test_a_bf16_main_grad_accumulation_over_96_micro_batches_is_found_in_the_weight_gradients(accumulated_judged, steps):
     """npu_matmul_add_fp32 accumulating main_grad in bf16 over 96 micro-batches (invisible at one: the test
     above): the judge names 910B, H20 honest; only linear weights' gradients leave the band (what the fused

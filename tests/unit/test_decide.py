@@ -16,15 +16,17 @@ PARAMS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layer
 SPREAD = 0.15  # log-normal spread of one honest draw's error around its unit's level
 
 
-def _capture(name="B", seed=0, plant=None, scale=None, margin=None):
+def _capture(name="B", seed=0, plant=None, scale=None, margin=None, apart=1.0):
     """A score capture: every parameter's honest level 1e-2, two members and the run drawn around it;
-    ``plant`` = (param, factor) multiplies that parameter's error; ``scale`` = c scales every gradient."""
+    ``plant`` = (param, factor) multiplies that parameter's error; ``scale`` = c scales every gradient;
+    ``apart``: member 0 (round to nearest) and the run sit that factor above the jittered member 1 at
+    every unit (a deterministic rounding repeated over micro-batches adds up coherently)."""
     rng = random.Random(seed)
     draw = lambda: 1e-2 * math.exp(rng.gauss(0, SPREAD))  # noqa: E731
     params = []
     for lay in LAYERS:
         for p in PARAMS:
-            members, e = [draw(), draw()], draw()
+            members, e = [draw() * apart, draw()], draw() * apart
             full = f"{lay}.{p}.weight"
             if plant and plant[0] == full:
                 e *= plant[1]
@@ -74,6 +76,28 @@ def test_the_threshold_is_the_bonferroni_quantile_of_the_members_spread():
     assert t["value"] == max(t["stat"], calibrate.FIDELITY)
     assert calibrate.threshold([([1e-3], 1e-9)])["rule"] == "fixed"
     assert calibrate.threshold(units, margin=5.0)["value"] == 5.0
+
+
+def test_members_a_constant_factor_apart_are_an_offset_not_spread():
+    """Member 0 and the run 5.7x above member 1 at every unit (sqrt(32): the same 3 samples over 96
+    micro-batches, coherent vs jittered rounding): the offset is taken out, T stays near the fidelity and
+    says so, the honest run is honest and a 4.5x fault in one parameter is called. Members apart at random
+    (no offset to take out) keep a wide T: the centering narrows only what is systematic."""
+    apart = math.sqrt(32)
+    honest = _capture(seed=5, apart=apart)
+    t = honest["threshold"]
+    assert t["value"] < 3.0 and math.isclose(t["members_apart"], apart, rel_tol=0.15), t
+    assert "apart at every unit" in t["text"]
+    raw = [x for u in honest["params"] + honest["layers"] for _, x in calibrate.loo_logs(u["members"], 1e-6)]
+    assert math.exp(max(abs(x) for x in raw)) > 4.5  # the raw spread would have hidden the fault
+    assert decide.decide({"captures": [honest]})["per_run"][0]["honest"]
+    target = "model.layers.0.self_attn.o_proj.weight"
+    d = decide.decide({"captures": [_capture(seed=6, apart=apart, plant=(target, 4.5))]})["per_run"][0]
+    assert not d["honest"] and target in [x["name"] for x in d["calls"]], d["calls"]
+    rng = random.Random(7)
+    wild = [([1e-2 * math.exp(rng.gauss(0, 1.0)), 1e-2 * math.exp(rng.gauss(0, 1.0))], 1e-6) for _ in range(72)]
+    w = calibrate.threshold(wild)
+    assert w["value"] > 10 and w["members_apart"] < 1.5, w
 
 
 def test_honest_runs_with_the_usual_spread_are_not_called():
