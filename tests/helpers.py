@@ -1,11 +1,13 @@
 """Test helpers: the command line run in process (`invoke`) or as a process (`run_oracle`), a free
 port, rewriting a bundle's gradients (planting errors after the fact), the packed tiny captures
 several files share, a token-parallel oracle's checks (within the bound, bitwise), a launcher's
-rank by pid."""
+rank by pid, a streamed replay's budget derived from the process it runs in."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,6 +41,20 @@ def run_oracle(args, env: dict | None = None, **kw) -> subprocess.CompletedProce
     """`python -m oracle ARGS` as its own process, from the repository root, output captured as text."""
     return subprocess.run([*ORACLE, *map(str, args)], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
                           text=True, **kw)  # fmt: skip
+
+
+@functools.cache
+def stream_budget(capture: str, *extra: str, room_gib: float = 1.0) -> str:
+    """The ``--max-memory`` of a test's streamed replay of ``capture`` (``extra``: its --dtype / --ensemble),
+    derived from the process it runs in, never a constant that fits one torch build (issue 42: 1G fitted CPU
+    torch 2.13 and was refused under 2.14.1+cu130, whose process is larger): the floor a dry run at 1M names
+    (a fresh ``python -m oracle`` process's resident set plus the largest unit, x 1.1), plus ``room_gib``
+    for the process growing through the run. The plan streams either way: the tiny model's units are
+    smaller than any budget's room."""
+    res = run_oracle(["replay", capture, "--dry-run", "--max-memory", "1M", *extra], timeout=HANG_S)
+    floor = re.search(r"raise it to at least ([\d.]+)G", res.stdout + res.stderr)
+    assert res.returncode == 2 and floor, res.stdout + res.stderr
+    return f"{float(floor[1]) + room_gib:.1f}G"
 
 
 def rewrite_grads(src: str, dst: str, fn: Callable[[str, torch.Tensor], torch.Tensor | None],

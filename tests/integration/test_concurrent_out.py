@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from oracle.bundle.store import Bundle
+from helpers import stream_budget
 
 pytestmark = pytest.mark.rare  # concurrent writers: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 
@@ -30,12 +31,12 @@ def held(*a, **k):
     Path(mark).write_text("")
     time.sleep(600)  # mid-run, holding its claim on OUT and its work folder
 workdir.open_work = held
-replay(cap, out, max_memory=1 << 30, overwrite=True)
+replay(cap, out, max_memory=int(float(sys.argv[4].rstrip("G")) * 2**30), overwrite=True)
 """
 
 
 def replay_cmd(cap, out, *extra):
-    return [sys.executable, "-m", "oracle", "replay", str(cap), "--out", str(out), "--max-memory", "1G", *extra]
+    return [sys.executable, "-m", "oracle", "replay", str(cap), "--out", str(out), "--max-memory", stream_budget(str(cap)), *extra]
 
 
 def leftovers(out: Path) -> list[str]:
@@ -68,7 +69,7 @@ def test_a_second_replay_onto_an_out_being_written_is_refused_and_touches_nothin
     if overwrite:
         out_old = subprocess.run(replay_cmd(fp32_capture, out), env=ENV, capture_output=True, text=True)
         assert out_old.returncode == 0, out_old.stderr
-    first = subprocess.Popen([sys.executable, "-c", HOLD, str(fp32_capture), str(out), str(mark)], env=ENV)
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(fp32_capture), str(out), str(mark), stream_budget(fp32_capture)], env=ENV)
     try:
         t0 = time.time()
         while not mark.exists():

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from helpers import stream_budget
 
 runner = CliRunner()
 
@@ -39,7 +40,7 @@ def _cases(cap: str, out: Path) -> dict[str, list[str]]:
     log.write_text("[DEBUG_GRAD_NORM][X] a.weight norm=1.5\n")
     return {
         "replay": ["replay", cap, "--out", str(out / "o")],
-        "streamed replay": ["replay", cap, "--out", str(out / "o"), "--max-memory", "1G"],
+        "streamed replay": ["replay", cap, "--out", str(out / "o"), "--max-memory", stream_budget(cap)],
         "judge": ["judge", cap, str(shutil.copytree(cap, out.parent.parent / "twin", dirs_exist_ok=True)),  # A's step, another folder
                   "--name", "A", "--name", "B", "--out", str(out / "j")],
         "import-log": ["import-log", str(log), "--out", str(out / "b")],

@@ -20,6 +20,7 @@ import torch
 from oracle.bundle.store import Bundle
 from oracle.replay.run import replay
 from oracle.replay.token_split import KILL_ENV
+from helpers import stream_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +45,7 @@ def test_an_amp_band_member_killed_anywhere_in_its_backward_resumes_bitwise(amp_
     same command ends bitwise equal to an uninterrupted run, loss, backward order and the count of
     promoted casts (``numerics``) included."""
     out, whole = tmp_path / "o", tmp_path / "whole"
-    args = ("--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "1G")
+    args = ("--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", stream_budget(amp_capture, "--dtype", "amp-bf16", "--ensemble", "2"))
     work = tmp_path / ".o.partial"
     kills = [
         "0:5",  # grads: after the last text layer's shard
@@ -173,7 +174,7 @@ def test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise(fp32_captur
     recomputed on resume and still receives layers.3's input gradients (dropped only once every unit
     producing them is finished), so the result equals an uninterrupted run bitwise."""
     out, whole = tmp_path / "o", tmp_path / "whole"
-    args = ("--dtype", "amp-bf16", "--max-memory", "1G")
+    args = ("--dtype", "amp-bf16", "--max-memory", stream_budget(fp32_capture, "--dtype", "amp-bf16"))
     journal = tmp_path / ".o.partial" / "grads" / "journal.jsonl"
     # records: unit lm_head, call layers.3, unit layers.3, call layers.2, then (before the fix) drop layers.3
     r = subprocess.run(_cmd(fp32_capture, out, *args), cwd=ROOT, env=_env(**{KILL_ENV: "0:5:any"}), capture_output=True, text=True)

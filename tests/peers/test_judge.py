@@ -506,7 +506,7 @@ def test_a_stage_is_never_reused_after_an_input_changed_in_place(runs, budget, j
     assert "does not match its sha256" in again.stderr
 
 
-def test_a_stage_replaces_its_own_work_folder_left_for_other_inputs(runs, judged, tmp_path):
+def test_a_stage_replaces_its_own_work_folder_left_for_other_inputs(runs, judged, budget, tmp_path):
     """Issue 41: a truth stage killed before its capture changed leaves, inside the judge's own folder, a streamed
     work folder of ours for another step; the rerun replaces it (replace_work="any-ours", the judge's alone: a user's
     --overwrite keeps another step's) and ends with the uninterrupted report, nothing left over."""
@@ -520,7 +520,7 @@ def test_a_stage_replaces_its_own_work_folder_left_for_other_inputs(runs, judged
     (stale / "grads").mkdir()
     (stale / "grads" / "shard-00001.safetensors").write_bytes(b"hours of another step's work")
     res = CliRunner().invoke(app, ["judge", str(runs / "h20" / "pre"), str(runs / "npu" / "pre"), "--out", str(work),
-                                   "--max-memory", "1G", *ARGS])  # fmt: skip
+                                   "--max-memory", budget, *ARGS])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "truth: done" in res.stderr and "merge-NPU: reused" in res.stderr, res.stderr
     assert _report(work) == _report(judged[0])
