@@ -89,6 +89,22 @@ def packed_text(tmp_path_factory):
     return root, packed_text_capture(root)[0]
 
 
+@pytest.fixture(scope="module")
+def chunked(packed_text):
+    """chunked(name, **kw) -> the packed capture's streamed replay by 16-row chunks (8 GiB budget), made once per
+    module: the float64 truth and the chunked band members several tests compare against (each replay is one of
+    this file's costs; issue 42). Callers set the attention kernel's 16-row grid (``small_grid``) first."""
+    root, cap = packed_text
+    cache = {}
+
+    def make(name: str, **kw):
+        if name not in cache:
+            cache[name] = replay(cap, root / f"chunked-{name}", max_memory=8 << 30, token_chunk=16, **kw)
+        return cache[name]
+
+    return make
+
+
 def test_row_chunks_across_packed_samples_equal_the_unchunked_replay(packed_text, tmp_path, small_grid, chunk_calls):
     """Tiny Qwen3 text, three packed samples (chunks end at sample boundaries and on the grid), 16-row
     chunks vs no row chunks at all: loss bitwise, every gradient within 1e-12;
@@ -163,7 +179,7 @@ def test_an_in_memory_member_runs_packed_samples_as_one_fused_call_each(packed_t
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "amp-bf16"])
-def test_emulated_members_run_their_layers_by_row_chunks_as_honest_as_in_memory(packed_text, tmp_path, small_grid,
+def test_emulated_members_run_their_layers_by_row_chunks_as_honest_as_in_memory(packed_text, chunked, tmp_path, small_grid,
                                                                                chunk_calls, dtype):  # fmt: skip
     """A streamed band member's decoder layers run by 16-row chunks (layers.py "Emulated": the device's
     fused attention as one kernel, rounded at its operands and results), a jittered member too: bitwise
@@ -172,11 +188,12 @@ def test_emulated_members_run_their_layers_by_row_chunks_as_honest_as_in_memory(
     of their errors per gradient within 1/2..2, the largest within 1/2..2 of each other). Unchunked
     (every layer one chunk) the streamed round-to-nearest bf16 member is the in-memory one, bitwise."""
     _, cap = packed_text
-    truth = _grads(replay(cap, tmp_path / "t", verify="off"))
+    truth = _grads(chunked("oracle"))  # the truth row-chunked: within 1e-12 of unchunked (the test above)
     mem = replay(cap, tmp_path / "m", dtype=dtype, ensemble=2, verify="off")
-    cut = replay(cap, tmp_path / "c", dtype=dtype, ensemble=2, max_memory=8 << 30, token_chunk=16)
-    assert chunk_calls and min(chunk_calls) >= 8, chunk_calls
+    cut = chunked(dtype, dtype=dtype, ensemble=2)
+    chunk_calls.clear()
     again = replay(cap, tmp_path / "c2", dtype=dtype, ensemble=2, max_memory=8 << 30, token_chunk=16)
+    assert chunk_calls and min(chunk_calls) >= 8, chunk_calls
     if dtype == "bf16":  # layers of one chunk run unchunked: the round-to-nearest member is the in-memory one, bitwise
         whole, m0 = Bundle(replay(cap, tmp_path / "w", dtype=dtype, max_memory=8 << 30)).load_group("grads"), Bundle(mem).load_group("grads")
         assert [n for n in m0 if not torch.equal(m0[n], whole[n])] == []
@@ -241,14 +258,14 @@ def test_the_fused_kernel_emulation_is_the_flash_kernel_rounded_at_its_output(sm
 
 
 @pytest.mark.parametrize("kw", [{}, {"dtype": "bf16", "ensemble": 2}], ids=["oracle", "jittered-bf16-member"])
-def test_a_crashed_chunked_replay_resumes_bitwise(packed_text, tmp_path, small_grid, monkeypatch, kw):
+def test_a_crashed_chunked_replay_resumes_bitwise(packed_text, chunked, tmp_path, small_grid, monkeypatch, kw):
     """The run dies after two units' backward (row-chunked layers, 16-row chunks); the same call resumes
     from the journal and ends bitwise identical to an uninterrupted run (the float64 oracle, and a band
     whose second member is jittered: the chunks' jitter is the forward's in the recomputation)."""
     from oracle.replay.streaming import journal
 
     _, cap = packed_text
-    whole = replay(cap, tmp_path / "whole", max_memory=8 << 30, token_chunk=16, **kw)
+    whole = chunked(kw.get("dtype", "oracle"), **kw)  # the uninterrupted run (repeatable bitwise: tests above)
     original, written = journal.Journal.write_unit, []
 
     def dies(self, unit, grads):
