@@ -1,4 +1,4 @@
-"""The float64 truth's elementwise work as fused kernels: RMSNorm and the SwiGLU product.
+"""The float64 truth's elementwise work as fused kernels: RMSNorm, the SwiGLU product, rotary.
 
 Why. The truth's GEMMs run at the float64 GEMM probe's rate; transformers' RMSNorm and SwiGLU are
 chains of small float64 ops, each a pass over memory (RMSNorm: cast, pow, mean, add, rsqrt, mul,
@@ -13,15 +13,27 @@ Numerics (float64 throughout, nothing rounded lower). Per row x of width H, weig
                                dw = sum over rows of dy * (x * r)
   SwiGLU    a = gate, b = up:  s = 1 / (1 + exp(-a))   h = (a * s) * b
             backward from dh:  da = dh * b * s * (1 + a * (1 - s))      db = dh * (a * s)
+  rotary    q (B, H, T, D), cos, sin (B, 1, T, D), half = D / 2, rotate_half(q) = cat(-q[half:], q[:half]):
+            y = q * cos + rotate_half(q) * sin
+            backward from dy:  a = dy * sin   dq = dy * cos + cat(a[half:], -a[:half])   (no reduction,
+            and inductor contracts no multiply-add by default: bitwise today's; cos, sin take no gradient)
 These are the same formulas autograd differentiates in today's path; the fused kernels add the row
 sums in another order (vectorised), so a result differs from today's by a few float64 ulps: every
 gradient and the loss within 1e-13 relative of the unfused replay (tests/unit/test_fused.py;
 measured ~1e-15). The finite-difference certificate (certify.py) runs on the fused model unchanged.
 
 Which modules. A recipe names its model's fusable module classes (``Recipe.fusable``: class name ->
-``"rms_norm"`` or ``"swiglu_mlp"``); the engine matches names only and imports no model. Only the
-float64 oracle fuses: an emulated member keeps every op so that each is rounded where its device
-rounds it.
+``"rms_norm"`` or ``"swiglu_mlp"``, whose forwards are swapped on the replay's model) and its rotary
+function (dotted path -> ``"rotary"``: transformers' module-level ``apply_rotary_pos_emb``, which the
+attention looks up at call time, is replaced once per process by a wrapper that fuses only inside
+the float64 oracle's dispatch mode and calls the original everywhere else); the engine matches names
+only and imports no model. Only the float64 oracle fuses: an emulated member keeps every op so that
+each is rounded where its device rounds it. Not fused: the residual adds (transformers' decoder layer
+adds them between modules; fusing them means replacing the layer's forward), the attention's softmax
+(the oracle's own chunked kernel, attention.py) and the loss (headloss.py/loss.py).
+
+Floats. Inductor's C++ is compiled without -ffinite-math-only and without unsafe math (torch's
+defaults, ``cpp_builder._get_ffast_math_flags``): a NaN or Inf of the truth stays one.
 
 Switch and fallback. ``ORACLE_FUSED=0`` keeps today's path. The first use compiles a tiny probe of
 each kernel; if that fails (no C++ compiler, a compile error) the model keeps today's path,
@@ -33,10 +45,14 @@ Cost. Inductor compiles once per input shape (dynamic=False: a streamed replay's
 few shapes); the compiled code is cached on disk in inductor's cache (``TORCHINDUCTOR_CACHE_DIR``,
 else ``~/.cache/oracle/inductor``), so a later process with the same shapes pays only the load.
 Nothing here runs in a training process: capture (oracle/capture/**) never imports this module.
+
+Measured (benchmarks/RESULTS.md, ``streaming.py b``, 2 cores at load 8.5-12.9, RMSNorm and SwiGLU fused):
+in memory 0.84x today's time, streamed 0.97x; the first process with an empty cache 1.69x the warm one.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import types
@@ -44,8 +60,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..precision.mode import outside
+from ..precision.mode import PrecisionMode, outside
 
 ENV = "ORACLE_FUSED"  #: "0": today's unfused path
 _lock = threading.Lock()
@@ -84,8 +101,20 @@ def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple
     return dh * b * (s * (1 + a * (1 - s))), dh * (a * s)
 
 
+def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin  # transformers' rotate_half
+
+
+def rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = dy.shape[-1] // 2
+    a = dy * sin  # (B, H, T, D)
+    return dy * cos + torch.cat((a[..., h:], -a[..., :h]), -1)  # rotate_half's transpose
+
+
 _EAGER = {"rms_forward": rms_forward, "rms_backward": rms_backward,
-          "swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward}  # fmt: skip
+          "swiglu_forward": swiglu_forward, "swiglu_backward": swiglu_backward,
+          "rope_forward": rope_forward, "rope_backward": rope_backward}  # fmt: skip
 
 
 def _cache_dir() -> None:
@@ -127,6 +156,8 @@ def _probe() -> str | None:
             _compiled["rms_backward"](y, x, w, r)
             _compiled["swiglu_forward"](x, y)
             _compiled["swiglu_backward"](x, x, y)
+            q = x.view(1, 1, 2, 4)
+            _compiled["rope_backward"](_compiled["rope_forward"](q, q, q), q, q)
         return None
     except Exception as e:
         _compiled.clear()
@@ -163,6 +194,57 @@ class _SwiGLU(torch.autograd.Function):
         return _call("swiglu_backward", dh.contiguous(), a, b)
 
 
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _call("rope_forward", x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _call("rope_backward", dy, cos, sin), None, None
+
+
+def _in_the_oracle() -> bool:
+    """Inside the float64 oracle's dispatch mode (not an emulated member's, not outside any replay)."""
+    return any(isinstance(m, PrecisionMode) and m.round_to is None and m.compute == torch.float64
+               for m in _get_current_dispatch_mode_stack())  # fmt: skip
+
+
+def _rotary(original):
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (mRoPE's too: its
+    interleaving is done by the rotary embedding module, before this), fused inside the float64 oracle
+    only; everywhere else, and with ``ORACLE_FUSED=0`` or no compiled kernels, the original."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        plain = (q, k, cos, sin)
+        if (args or kwargs or not _compiled or not enabled() or not _in_the_oracle()
+                or any(t.dtype != torch.float64 for t in plain) or cos.requires_grad or sin.requires_grad):  # fmt: skip
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)  # (B, 1, T, D)
+        return _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
+
+    apply_rotary_pos_emb.oracle_original = original
+    return apply_rotary_pos_emb
+
+
+def _patch_function(path: str) -> bool:
+    """``module.function`` named by a recipe, replaced once per process by its fused wrapper (which
+    runs the original outside the float64 oracle)."""
+    modname, _, fname = path.rpartition(".")
+    try:
+        module = importlib.import_module(modname)
+    except ImportError:
+        return False
+    fn = getattr(module, fname, None)
+    if fn is None:
+        return False
+    if not hasattr(fn, "oracle_original"):
+        setattr(module, fname, _rotary(fn))
+    return True
+
+
 def _rms_norm_forward(self, hidden_states):
     if hidden_states.dtype != torch.float64 or self.weight.dtype != torch.float64:
         return type(self).forward(self, hidden_states)  # not the float64 truth: today's path
@@ -177,7 +259,7 @@ def _swiglu_mlp_forward(self, x):
 
 
 _FORWARDS = {"rms_norm": _rms_norm_forward, "swiglu_mlp": _swiglu_mlp_forward}
-KINDS = tuple(_FORWARDS)
+KINDS = (*_FORWARDS, "rotary")  #: "rotary": a recipe's key is the function's dotted path
 
 
 def _fits(kind: str, m: nn.Module) -> bool:
@@ -204,11 +286,11 @@ def use(model: nn.Module, fusable: dict[str, str]) -> dict:
             if why is not None:
                 _state.update(path="unfused", why=f"compiling failed: {why}", fallbacks=[])
                 return state()
-    swapped = 0
+    swapped = sum(_patch_function(path) for path, kind in fusable.items() if kind == "rotary")
     for m in model.modules():
         kind = fusable.get(type(m).__name__)
         if kind in _FORWARDS and _fits(kind, m):
             m.forward = types.MethodType(_FORWARDS[kind], m)
             swapped += 1
-    _state.update(path="fused-inductor" if swapped else "unfused", why=f"{swapped} modules fused", fallbacks=[])
+    _state.update(path="fused-inductor" if swapped else "unfused", why=f"{swapped} modules and functions fused", fallbacks=[])
     return state()
