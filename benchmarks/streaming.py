@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -102,9 +103,9 @@ def text_inputs(vocab: int, lengths: list[int], seed: int = 1) -> dict[str, torc
     return out
 
 
-def run(args: list[str], env_threads: int | None = None) -> dict:
-    """``oracle`` in a child process; its wall time and peak RSS."""
-    env = dict(os.environ)
+def run(args: list[str], env_threads: int | None = None, env: dict[str, str] | None = None) -> dict:
+    """``oracle`` in a child process (``env`` added to this one's); its wall time and peak RSS."""
+    env = {**os.environ, **(env or {})}
     if env_threads:
         env["OMP_NUM_THREADS"] = str(env_threads)
     code = (
@@ -156,9 +157,16 @@ def bench_b(d: Path, tokens: int) -> None:
         raise SystemExit(r.stderr[-3000:])
     _, hs, hr = [x for x in r.stdout.splitlines() if x.startswith("@@")][-1].split()
     hand = {"seconds": float(hs), "process_seconds": process, "peak_rss": int(hr)}
-    mem = run(["replay", str(cap), "--out", str(d / "b-mem"), "--no-verify", "--overwrite"])
+    # before (ORACLE_FUSED=0: transformers' RMSNorm and SwiGLU as they are) and after (fused kernels,
+    # oracle/replay/fused.py), one after the other; the first fused run compiles into an empty cache
+    unfused, cache = {"ORACLE_FUSED": "0"}, {"ORACLE_FUSED": "1", "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor")}
+    shutil.rmtree(d / "inductor", ignore_errors=True)
+    mem0 = run(["replay", str(cap), "--out", str(d / "b-mem0"), "--no-verify", "--overwrite"], env=unfused)
+    cold = run(["replay", str(cap), "--out", str(d / "b-mem"), "--no-verify", "--overwrite"], env=cache)
+    mem = run(["replay", str(cap), "--out", str(d / "b-mem"), "--no-verify", "--overwrite"], env=cache)
     budget = int(0.4 * hand["peak_rss"])
-    streamed = run(["replay", str(cap), "--out", str(d / "b-str"), "--max-memory", str(budget), "--overwrite"])
+    streamed0 = run(["replay", str(cap), "--out", str(d / "b-str0"), "--max-memory", str(budget), "--overwrite"], env=unfused)
+    streamed = run(["replay", str(cap), "--out", str(d / "b-str"), "--max-memory", str(budget), "--overwrite"], env=cache)
     o, s = Bundle(d / "b-mem"), Bundle(d / "b-str")
     equal = all(torch.equal(o.load("grads", n), s.load("grads", n)) for n in o.names("grads"))
     ref = torch.load(hand_out, weights_only=True)  # written by this script's own child a moment ago
@@ -178,13 +186,27 @@ def bench_b(d: Path, tokens: int) -> None:
     print(f"   oracle, --max-memory {g(budget)}: {streamed['process_seconds']:7.1f} s [{streamed['seconds']:.1f}]  peak "
           f"{g(streamed['peak_rss'])}   time {streamed['process_seconds'] / hs:.2f}x (target <= 1.0x); budget held: "
           f"{streamed['peak_rss'] <= budget}")  # fmt: skip
+    o0, s0 = Bundle(d / "b-mem0"), Bundle(d / "b-str0")
+    print(f"   before (ORACLE_FUSED=0), in memory:{mem0['process_seconds']:7.1f} s [{mem0['seconds']:.1f}]  peak {g(mem0['peak_rss'])}   "
+          f"time {mem0['process_seconds'] / hs:.2f}x")  # fmt: skip
+    print(f"   before (ORACLE_FUSED=0), streamed: {streamed0['process_seconds']:7.1f} s [{streamed0['seconds']:.1f}]  peak "
+          f"{g(streamed0['peak_rss'])}   time {streamed0['process_seconds'] / hs:.2f}x")  # fmt: skip
+    print(f"   fused, first run (compiles, empty cache): {cold['process_seconds']:.1f} s [{cold['seconds']:.1f}] "
+          f"= {cold['process_seconds'] / mem['process_seconds']:.2f}x the warm-cache run; numerics.fused: {o.manifest['numerics'].get('fused')}")  # fmt: skip
+    print(f"   fused / unfused time: in memory {mem['process_seconds'] / mem0['process_seconds']:.2f}x, "
+          f"streamed {streamed['process_seconds'] / streamed0['process_seconds']:.2f}x")  # fmt: skip
+    rel = lambda a, b, n: float((a.load("grads", n) - b.load("grads", n)).abs().max() / b.load("grads", n).abs().max())  # noqa: E731
+    fl = [abs(x.get("loss")["value"] - y.get("loss")["value"]) / abs(y.get("loss")["value"]) for x, y in ((o, o0), (s, s0))]
+    print(f"   fused vs unfused: worst gradient (max abs diff / max abs) in memory {max(rel(o, o0, n) for n in o.names('grads')):.1e}, "
+          f"streamed {max(rel(s, s0, n) for n in s.names('grads')):.1e}; loss {fl[0]:.1e}, {fl[1]:.1e} (bound 1e-13)")  # fmt: skip
     diff = max(float((o.load("grads", n) - s.load("grads", n)).norm() / o.load("grads", n).norm()) for n in o.names("grads"))
     print(f"   streamed vs in-memory: bitwise {equal}; max relative difference {diff:.1e} (bound 1e-12: decoder layers run by")
     print("   row chunks add each weight's gradient chunk by chunk; the loss and input gradients are bitwise)")
     print(f"   by-hand replay's own error vs the oracle: loss {loss_err:.1e} relative, worst gradient {worst:.1e} relative")
     print(f"a. FLOP rate (float64 GEMM probe {rate / 1e9:.1f} GFLOP/s), on the command's own time: in memory "
           f"{p3 / mem['seconds'] / 1e9:.1f} GFLOP/s = {p3 / mem['seconds'] / rate:.2f}x, streamed {p4 / streamed['seconds'] / 1e9:.1f} "
-          f"GFLOP/s = {p4 / streamed['seconds'] / rate:.2f}x (target >= 0.7)")  # fmt: skip
+          f"GFLOP/s = {p4 / streamed['seconds'] / rate:.2f}x (target >= 0.7); before (unfused): in memory "
+          f"{p3 / mem0['seconds'] / rate:.2f}x, streamed {p4 / streamed0['seconds'] / rate:.2f}x")  # fmt: skip
 
 
 def vl8b_config(layers: int) -> dict:

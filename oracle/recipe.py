@@ -41,6 +41,9 @@ class Recipe:
     #: tensor-parallel plan (module path pattern -> colwise / rowwise / replicated_with_grad_allreduce)
     #: for text models whose transformers config ships no layer plan (oracle/parallel/tensor_parallel.py)
     tp_plan: dict[str, str] = {}
+    #: module class name -> fused float64 kernel ("rms_norm", "swiglu_mlp") the oracle may swap in for its
+    #: forward (oracle/replay/fused.py); empty: the model code runs as it is
+    fusable: dict[str, str] = {}
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         """Whether a local Hugging Face directory with this config.json belongs to this recipe."""

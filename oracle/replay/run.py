@@ -35,10 +35,11 @@ from ..capture.steps import build_model
 from ..errors import BundleError, NotReplayable, UsageError
 from ..parallel import distributed, tensor_parallel
 from ..precision.mode import PrecisionMode
+from . import fused
 from .certify import finite_difference_certificate
 from .inputs import check_inputs
 from .loss import chunked_head
-from .setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries, use_replay_attention
+from .setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries, use_fused, use_replay_attention
 
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
 
@@ -60,6 +61,7 @@ def run_step(
     inputs = load_inputs(cap, compute)
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
     use_replay_attention(model, round_to)
+    fused_path = use_fused(model, recipe, round_to)
     if instrument is not None:
         instrument(model)
     within = recorded_boundaries(inputs)  # the recorded sample boundaries (a token split takes them itself)
@@ -79,6 +81,7 @@ def run_step(
             h.remove()
     mode.promotions += build_mode.promotions
     mode.backward_order = order
+    mode.fused = fused.state() if fused_path["path"] != "unfused" else fused_path  # what ran, fallbacks included
     return model, inputs, float(loss.item()), mode
 
 
@@ -197,7 +200,7 @@ def replay(
             w.manifest.update(base)
             w.manifest.update(
                 loss={**(cap.get("loss") or {}), "value": loss},
-                numerics={"compute": "float64", "promotions": mode.promotions},
+                numerics={"compute": "float64", "promotions": mode.promotions, "fused": getattr(mode, "fused", None)},
                 backward_order=mode.backward_order,
                 certificate=cert,
                 seconds=round(time.perf_counter() - t0, 3),

@@ -11,7 +11,7 @@ from .. import recipe as recipes
 from ..bundle.store import Bundle, BundleWriter
 from ..capture.packing import check_boundaries, row_boundaries
 from ..errors import RecipeError
-from . import attention
+from . import attention, fused
 
 
 def recipe_of(cap: Bundle):
@@ -42,6 +42,15 @@ def use_replay_attention(model: torch.nn.Module, round_to) -> None:
     packed samples one call each (a device's varlen kernel), and streamed decoder layers by row chunks
     (streaming/layers.py) with the same kernel semantics."""
     attention.use(model, attention.NAME if round_to is None else attention.FUSED)
+
+
+def use_fused(model: torch.nn.Module, recipe, round_to) -> dict:
+    """The float64 oracle's RMSNorm and SwiGLU as fused kernels (oracle/replay/fused.py), where the recipe
+    names them and ``ORACLE_FUSED=1``; an emulated run keeps every op (each is rounded where its
+    device rounds it). Returns what ran, for the manifest's ``numerics.fused``."""
+    if round_to is not None:
+        return {"path": "unfused", "why": "an emulated run rounds every op", "fallbacks": []}
+    return fused.use(model, getattr(recipe, "fusable", {}) or {})
 
 
 def load_inputs(cap: Bundle, compute: torch.dtype) -> dict[str, torch.Tensor]:

@@ -71,6 +71,8 @@ class Qwen3Recipe(Recipe):
     embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
     megatron_modules = megatron_modules("decoder.layers.{i}", "model.layers.{i}")
+    fusable = {"Qwen3RMSNorm": "rms_norm", "Qwen3MLP": "swiglu_mlp",  # oracle/replay/fused.py
+               "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb": "rotary"}  # fmt: skip
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         return hf_config.get("model_type") == "qwen3"

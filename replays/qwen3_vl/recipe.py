@@ -40,6 +40,8 @@ class Qwen3VLRecipe(Recipe):
     embedded = tuple(flavors.FLAVORS)
     megatron_names = _vl_megatron_names()
     megatron_modules = megatron_modules("language_model.decoder.layers.{i}", "model.language_model.layers.{i}")
+    fusable = {"Qwen3VLTextRMSNorm": "rms_norm", "Qwen3VLTextMLP": "swiglu_mlp",  # oracle/replay/fused.py (text decoder)
+               "transformers.models.qwen3_vl.modeling_qwen3_vl.apply_rotary_pos_emb": "rotary"}  # fmt: skip
     # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder
     # layers are Qwen3's, so Qwen3's layer plan (Qwen3Config.base_model_tp_plan) applies as it is
     tp_plan = {f"model.language_model.layers.*.{m}": s for m, s in (

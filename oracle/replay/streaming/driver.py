@@ -23,7 +23,7 @@ from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, RecipeError, UsageError
 from ...parallel import distributed
 from ...precision.mode import PrecisionMode
-from .. import token_split
+from .. import fused, token_split
 from . import budget as budgets
 from . import workdir
 from .engine import StreamEngine, max_rss_bytes, rss_bytes, tame_malloc, work_dir
@@ -146,7 +146,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
             w.manifest["ranks"] = ranks
         if kind == "oracle":
             w.manifest.update(loss={**(cap.get("loss") or {}), "value": losses[0]}, backward_order=orders[0], certificate=None,
-                              numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
+                              numerics={"compute": "float64", "promotions": promotions, "fused": fused.state()})  # fmt: skip
             del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
             carry_inputs_and_weights(cap, w)
         else:
@@ -245,7 +245,7 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
             "replicated": sorted({n.split(".visual.")[0] + ".visual" for rec in units for n in rec["entries"] if ".visual." in n}),
         }  # fmt: skip
         w.manifest.update(loss={**(cap.get("loss") or {}), "value": total}, backward_order=order, certificate=None,
-                          numerics={"compute": "float64", "promotions": promotions})  # fmt: skip
+                          numerics={"compute": "float64", "promotions": promotions, "fused": fused.state()})  # fmt: skip
         del w.manifest["fingerprint"]  # an oracle carries the inputs and weights themselves
         carry_inputs_and_weights(cap, w)
         for path, entries in shards:  # named as the single-process streamed bundle names its shards

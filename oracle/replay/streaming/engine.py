@@ -59,7 +59,7 @@ from ...capture.modules import select
 from ...errors import UsageError
 from ...precision.mode import PrecisionMode
 from ..loss import chunked_head
-from ..setup import use_replay_attention
+from ..setup import use_fused, use_replay_attention
 from . import workdir
 from .embedding import UsedRows, by_rows, write_dense
 from .head import CaptureHead
@@ -180,6 +180,7 @@ class StreamEngine:
         self.work, self.member, self.progress = work, member, progress
         self.model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, build_mode)
         use_replay_attention(self.model, mode.round_to)
+        self.fused = use_fused(self.model, recipe, mode.round_to)  # the oracle's fused kernels (replay/fused.py)
         self.weights = Weights(cap, compute)
         self.units, self.unit_params, self.head, self.resident = partition(self.model, recipe)
         for n in self.resident:  # small or shared: loaded once, ordinary autograd
