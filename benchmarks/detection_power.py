@@ -75,11 +75,18 @@ QUICK_HONEST = [(SEED, 1, "bf16", "bf16"), (1, 1, "bf16", "bf16"), (SEED, 1, "fp
 # -- the judge's answer: the one place that reads its JSON --------------------------------------------
 def verdict(doc: dict) -> dict:
     """{"faulty": [runs called faulty], "born": {run: (module, direction)}, "headline": first line,
-    "left_out": {run: [gradients left out of the verdict]}} (today: those the framework never reduced)."""
+    "left_out": {run: [gradients left out of the verdict]}}: the decision's own ``left_out`` (gradients the
+    framework never reduced that no stage judged); the unreduced ViT gradients the judge's rank-view stage
+    judges are in the verdict, so a plant's effect counts them. A judge of before the decision JSON: the
+    framework's unreduced list."""
     ans = doc.get("answers") or {}
     born = {r["run"]: (r.get("module"), r.get("direction")) for r in (ans.get("born") or {}).get("per_run") or []}
-    fw = ans.get("framework") or {}
-    left = {run: sorted({*(fw.get("shared") or []), *only}) for run, only in (fw.get("only") or {}).items()}
+    per = (doc.get("decision") or {}).get("per_run")
+    if per is not None:
+        left = {r["run"]: sorted(x["name"] for x in r.get("left_out") or []) for r in per}
+    else:
+        fw = ans.get("framework") or {}
+        left = {run: sorted({*(fw.get("shared") or []), *only}) for run, only in (fw.get("only") or {}).items()}
     faulty = list((ans.get("noise") or {}).get("faulty") or [])
     return {"faulty": faulty, "born": born, "headline": doc.get("headline", ""), "left_out": left}
 
