@@ -75,11 +75,18 @@ QUICK_HONEST = [(SEED, 1, "bf16", "bf16"), (1, 1, "bf16", "bf16"), (SEED, 1, "fp
 # -- the judge's answer: the one place that reads its JSON --------------------------------------------
 def verdict(doc: dict) -> dict:
     """{"faulty": [runs called faulty], "born": {run: (module, direction)}, "headline": first line,
-    "left_out": {run: [gradients left out of the verdict]}} (today: those the framework never reduced)."""
+    "left_out": {run: [gradients left out of the verdict]}}: the decision's own ``left_out`` (gradients the
+    framework never reduced that no stage judged); the unreduced ViT gradients the judge's rank-view stage
+    judges are in the verdict, so a plant's effect counts them. A judge of before the decision JSON: the
+    framework's unreduced list."""
     ans = doc.get("answers") or {}
     born = {r["run"]: (r.get("module"), r.get("direction")) for r in (ans.get("born") or {}).get("per_run") or []}
-    fw = ans.get("framework") or {}
-    left = {run: sorted({*(fw.get("shared") or []), *only}) for run, only in (fw.get("only") or {}).items()}
+    per = (doc.get("decision") or {}).get("per_run")
+    if per is not None:
+        left = {r["run"]: sorted(x["name"] for x in r.get("left_out") or []) for r in per}
+    else:
+        fw = ans.get("framework") or {}
+        left = {run: sorted({*(fw.get("shared") or []), *only}) for run, only in (fw.get("only") or {}).items()}
     faulty = list((ans.get("noise") or {}).get("faulty") or [])
     return {"faulty": faulty, "born": born, "headline": doc.get("headline", ""), "left_out": left}
 
@@ -115,9 +122,12 @@ def _shim(out: Path) -> Path:
 
 
 def capture(path: str, out: Path, shim: Path, dtype: str = "bf16", seed: int = SEED, microbatches: int = 1,
-            plant: dict | None = None) -> Path:  # fmt: skip
-    """One packed step of ``path`` captured by ``ORACLE_CAPTURE`` -> its rank folder (``.../capture/pre``)."""
+            plant: dict | None = None, reuse: bool = False) -> Path:  # fmt: skip
+    """One packed step of ``path`` captured by ``ORACLE_CAPTURE`` -> its rank folder (``.../capture/pre``);
+    ``reuse``: a capture this benchmark already finished in ``out`` (its step log written last) is taken as it is."""
     cap = out / "capture"
+    if reuse and (cap / "pre").is_dir() and (out / "step.log").is_file():
+        return cap / "pre"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN", "DETECTION_"))}
     env.update(ORACLE_CAPTURE=str(cap), ORACLE_CAPTURE_MODULES="layers", DETECTION_SEED=str(seed),
                SWIFT_STEP_MICROBATCHES=str(microbatches), OMP_NUM_THREADS="1")  # fmt: skip
@@ -192,7 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the 910B path, 4 families at 2 strengths, 3 honest pairs")
     ap.add_argument("--paths", nargs="+", choices=["H20", "910B"], help="the planted paths (quick: 910B; full: both)")
     ap.add_argument("--families", nargs="+", help="only these families (scale swiglu attention rotary bf16acc)")
+    ap.add_argument("--strengths", nargs="+", type=float, help="only these strengths (of the families that have them)")
     ap.add_argument("--honest", type=int, help="only the first N honest pairs")
+    ap.add_argument("--reuse", action="store_true",
+                    help="captures already finished in OUT are judged again as they are (the verdict changed, not the step)")
     ap.add_argument("--combine", nargs="+", type=Path, help="no run: these runs' detection_power.json as one, written to OUT")
     o = ap.parse_args(argv)
     if o.combine:
@@ -214,7 +227,7 @@ def main(argv=None) -> int:
     def cap(path, dtype, seed, mb):
         k = (path, dtype, seed, mb)
         if k not in caps:
-            caps[k] = capture(path, o.out / "caps" / f"{path}-{dtype}-s{seed}-mb{mb}", shim, dtype, seed, mb)
+            caps[k] = capture(path, o.out / "caps" / f"{path}-{dtype}-s{seed}-mb{mb}", shim, dtype, seed, mb, reuse=o.reuse)
         return caps[k]
 
     print(f"honest pairs: {len(honest)}", flush=True)
@@ -243,6 +256,8 @@ def main(argv=None) -> int:
         print(f"plants in the {path} run (A = {other}'s honest run; unplanted: {verdict(doc0)['headline'][:120]})", flush=True)
         for fam, target, direction, key, strengths in plants:
             for s in strengths:
+                if o.strengths and s not in o.strengths:
+                    continue
                 t0 = time.time()
                 spec = {"family": fam, "direction": direction, "strength": s}
                 spec.update({"target": target} if fam == "scale" else {"layer": target} if target is not None else {})
@@ -250,7 +265,7 @@ def main(argv=None) -> int:
                 row = {"path": path, "family": fam, "target": target, "layer": list(key), "direction": direction,
                        "strength": s}  # fmt: skip
                 try:
-                    planted = capture(path, pdir, shim, plant=spec)
+                    planted = capture(path, pdir, shim, plant=spec, reuse=o.reuse)
                     t1 = time.time()
                     d = judge(base_a, planted, [other, path], work)
                 except RuntimeError as e:  # a plant that does not run is said and skipped, not counted

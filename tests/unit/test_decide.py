@@ -214,3 +214,28 @@ def test_non_finite_gradients_make_the_run_faulty_and_are_placed():
     d, a1, a3, _, head = _judge([cap])
     assert d["per_run"][0]["class"] == "non_finite" and "B: NOT honest noise: non-finite gradients" in a1["text"]
     assert a3["per_run"][0]["module"] == "model.layers.1.self_attn" and head.startswith("answer: B is faulty")
+
+
+def test_a_fault_diluted_in_a_replayed_layers_pooled_gradients_is_not_called_a_hand_off_and_gets_the_capture_below():
+    """End to end, one weight gradient of layer 1 beyond T while the local replay of layer 1 stays below its
+    own T (its parameter gradients are one pooled unit): answer 3 says the layer was replayed (no "hand-off"),
+    and answer 4 neither claims "no module boundaries captured" nor repeats ORACLE_CAPTURE_MODULES=layers:
+    it advises layer 1's sub-modules."""
+    lay = "model.layers.1"
+    local = {"B": {"culprits": [], "threshold": {"value": 2.5},
+                   "modules": [{"module": f"model.layers.{i}", "ratio": 1.66 if i == 1 else 0.8, "direction": None,
+                                "class": "within_noise"} for i in range(4)],
+                   "verdict": {"culprit": None, "direction": None, "text": f"no module beyond; largest {lay} at 1.66x"}}}  # fmt: skip
+    runs = [{"name": "B", "num_tokens": 2435, "modules": True}]
+    d, _, a3, a4, head = _judge([_capture("B", seed=5, plant=(f"{lay}.mlp.gate_proj.weight", 5.0))], local=local, runs=runs)
+    assert d["faulty"] == ["B"] and a3["per_run"][0]["module"] == f"{lay}.mlp", a3
+    ev = a3["per_run"][0]["evidence"]
+    assert f"{lay} was replayed alone" in ev and "hand-off" not in ev and "1.66x, T 2.50x" in ev, ev
+    r = a4["per_run"][0]
+    assert r["class"] is None and "no module boundaries" not in r["short"] and r["short"].startswith(lay), r
+    assert "ORACLE_CAPTURE_MODULES='decoder\\.layers\\.1\\..*'" in r["settle"] and "=layers" not in r["settle"], r
+    assert "no module boundaries captured" not in head and f"{lay} replayed, below its local threshold" in head, head
+    # without a local replay holding it, the old reading stays: a hand-off between recorded modules
+    local["B"]["modules"] = [m for m in local["B"]["modules"] if m["module"] != lay]
+    _, _, a3, a4, _ = _judge([_capture("B", seed=5, plant=(f"{lay}.mlp.gate_proj.weight", 5.0))], local=local, runs=runs)
+    assert "hand-off" in a3["per_run"][0]["evidence"] and a4["per_run"][0]["short"].startswith("module boundaries recorded")
