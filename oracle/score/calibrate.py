@@ -20,7 +20,9 @@ every unit by one factor. Such a systematic offset is not spread: the band alrea
 member, so each member's median log ratio over the family (when >= MIN_CENTER units give one) is
 taken out before sigma and max |l| are formed, and the text states the offset. Measured: a bf16
 main_grad accumulated in bf16 over 96 micro-batches is 4.5-4.7x its band and honest runs <= 1.14x
-(tests/peers/test_two_paths_judge.py) while the raw leave-one-out spread (sigma 1.0) put T at 58x. A family is one run's end-to-end units (parameters and layers) or its local rows;
+(tests/peers/test_two_paths_judge.py) while the raw leave-one-out spread (sigma 1.0) put T at 58x.
+
+A family is one run's end-to-end units (parameters and layers) or its local rows;
 each gets alpha_f = ALPHA / 2, so the family-wise false-alarm rate of a run is at most ALPHA.
 
 FIDELITY is the emulation's own error: real runs are not the emulation (other kernels, other
