@@ -46,7 +46,7 @@ def rank_view(opts: RankViewOptions, echo: Echo = print, warn: Echo | None = Non
     from ..report.outputs import check_file, writing
 
     json_out = Path(opts.json_out) if opts.json_out else None
-    check_file(json_out, "--json")
+    check_file(json_out, "--json", (opts.oracle, *opts.compare, *opts.logs))
     warnings: list[str] = []
     view = rankview.rank_view(opts.oracle, rank=opts.rank, pp_rank=opts.pp_rank, tp_size=opts.tp, sequence_parallel=opts.sp,
                               stage=opts.stage, calculate_per_token_loss=opts.per_token_loss,

@@ -152,17 +152,23 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> None:
             raise OutputError(f"cannot write the output {path}: {e.strerror or e} ({e.filename or path.parent})") from None
 
 
-def check_not_input(out: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
+def check_not_input(out: str | os.PathLike, inputs: Iterable[str | os.PathLike], what: str = "--out",
+                    follow: bool = True, whole: bool = True) -> None:
     """Refuse an output that is one of the command's inputs, lies inside one or holds one (OutputExists,
     exit 6), with or without ``--overwrite``: no command writes into or over what it reads (issue 41:
-    ``oracle merge R1/pre --out R1/pre/rank00000 --overwrite`` replaced its own input)."""
-    o = Path(os.path.abspath(out)).resolve()
+    ``oracle merge R1/pre --out R1/pre/rank00000 --overwrite`` replaced its own input; ``oracle score
+    truth cap --json cap/manifest.json`` wrote over the capture's manifest). ``follow=False`` for a
+    single file written by ``atomic_file.write_file``, which replaces a symlink at the name, never
+    writes through it: only its folder is resolved. ``whole=False`` for a folder that files are written
+    into (``--report``), never replaced whole: one that holds an input is then fine."""
+    o = Path(os.path.abspath(out))
+    o = o.resolve() if follow else o.parent.resolve() / o.name
     for i in inputs:
         p = Path(os.path.abspath(i)).resolve()
-        how = "is" if o == p else "is inside" if p in o.parents else "holds" if o in p.parents else None
+        how = "is" if o == p else "is inside" if p in o.parents else "holds" if whole and o in p.parents else None
         if how:
-            raise OutputExists(f"--out {out} {how} the input {i}: a command never writes into or over what it reads; "
-                               "choose an --out outside its inputs (nothing was written)")  # fmt: skip
+            raise OutputExists(f"{what} {out} {how} the input {i}: a command never writes into or over what it reads; "
+                               f"choose {'an' if what == '--out' else 'a'} {what} outside its inputs (nothing was written)")  # fmt: skip
 
 
 class BundleWriter:

@@ -264,15 +264,18 @@ def compare_logs(
     if len(logs) != 2:
         raise UsageError(f"compare-logs takes exactly two log files, got {len(logs)}")
     from oracle.pipeline.judge import check_log, log_labels
+    from oracle.report.outputs import check_file, writing
 
     for p, which in zip(logs, ("first", "second")):
         check_log(p, f"the {which} log,")
+    check_file(json_out, "--json", logs)
     labels = log_labels(logs, name, flags=("the first log", "the second log"))
     parsed = [normlog.parse(p, pattern=pattern, occurrence=occurrence, step=step, rank=rank) for p in logs]
     result = normlog.compare(parsed[0], parsed[1], labels)
     typer.echo(normlog.render_compare(result))
     if json_out:
-        write_json(result, json_out)
+        with writing("--json", json_out):
+            write_json(result, json_out)
         typer.echo(f"json: {json_out}")
 
 

@@ -19,10 +19,20 @@ def _writable_dir(d: Path, what: str, target: Path) -> None:
         raise OutputError(f"cannot write {what} {target}: {d} is not writable")
 
 
-def check_file(path: str | Path | None, what: str) -> None:
+def _not_input(path: Path, what: str, inputs, follow: bool) -> None:
+    if inputs:
+        from ..bundle.store import check_not_input
+
+        check_not_input(path, inputs, what=what, follow=follow, whole=False)
+
+
+def check_file(path: str | Path | None, what: str, inputs=()) -> None:
+    """``path`` can take a new file (``what`` names the option in the error) and is none of ``inputs``,
+    nor inside one (OutputExists, exit 6: a command never writes over what it reads)."""
     if path is None:
         return
     p = Path(path)
+    _not_input(p, what, inputs, follow=False)
     if p.is_dir():
         raise OutputError(f"cannot write {what} {p}: it is a directory; give a file name")
     if p.exists() and not os.access(p, os.W_OK):
@@ -30,10 +40,12 @@ def check_file(path: str | Path | None, what: str) -> None:
     _writable_dir(p.parent if str(p.parent) else Path("."), what, p)
 
 
-def check_dir(path: str | Path | None, what: str) -> None:
+def check_dir(path: str | Path | None, what: str, inputs=()) -> None:
+    """``path`` can take a report folder's files and is none of ``inputs``, nor inside one (exit 6)."""
     if path is None:
         return
     p = Path(path)
+    _not_input(p, what, inputs, follow=True)
     if p.exists() and not p.is_dir():
         raise OutputError(f"cannot write {what} {p}: it is a file, not a directory")
     _writable_dir(p, what, p)

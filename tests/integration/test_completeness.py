@@ -47,12 +47,17 @@ def test_a_capture_without_gradients_is_never_scored_exit_4(fp32_capture, oracle
     ("loss", "'loss' is missing: the replayed loss cannot be checked"),
 ])  # fmt: skip
 def test_a_manifest_leaving_a_field_unsaid_is_judged_incomplete_with_the_reason(fp32_capture, oracle_bundle, tmp_path, field, reason):
-    """The same gradients that are within noise with the field are INCOMPLETE without it, the reason named."""
+    """The same gradients that are within noise with the field are INCOMPLETE without it, the reason named: the
+    report's first line says INCOMPLETE and `oracle score` exits 4 naming the field (issue 41: exit 0, INCOMPLETE
+    only in the verdict section), after writing --json; the complete capture exits 0."""
     whole = score(oracle_bundle, [fp32_capture])["captures"][0]["verdict"]
     assert whole["class"] == "within_noise"
+    assert runner.invoke(app, ["score", oracle_bundle, fp32_capture]).exit_code == 0
     cap = edited(fp32_capture, tmp_path / "cap", lambda m: m.pop(field))
-    r = runner.invoke(app, ["score", oracle_bundle, str(cap)])
-    assert r.exit_code == 0 and "INCOMPLETE" in r.output and reason in r.output, r.output
+    r = runner.invoke(app, ["score", oracle_bundle, str(cap), "--json", str(tmp_path / "s.json")])
+    assert r.exit_code == 4 and r.stdout.startswith(f"INCOMPLETE: cap: its manifest {reason}"), r.output
+    assert f"error: 1 capture manifest field(s) the verdict needs are not stated:\n  cap: its manifest {reason}" in r.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["captures"][0]["verdict"]["class"] == "incomplete"
     v = score(oracle_bundle, [cap])["captures"][0]["verdict"]
     assert v["class"] == "incomplete" and v["checked_class"] == "within_noise" and reason in v["text"]
 
@@ -63,6 +68,8 @@ def test_a_precision_given_as_null_is_incomplete_and_stated_values_keep_working(
     cap = edited(fp32_capture, tmp_path / "null", lambda m: m.update(precision=None))
     v = score(oracle_bundle, [cap])["captures"][0]["verdict"]
     assert v["class"] == "incomplete" and "'precision' is not given" in v["text"]
+    r = runner.invoke(app, ["score", oracle_bundle, str(cap)])
+    assert r.exit_code == 4 and r.stdout.startswith("INCOMPLETE: null: its manifest 'precision' is not given"), r.output
     ok = edited(fp32_capture, tmp_path / "stated", lambda m: m.update(loss=None, recipe={"name": None, "config": {}}))
     assert score(oracle_bundle, [ok])["captures"][0]["verdict"]["class"] == "within_noise"
 

@@ -1,10 +1,12 @@
 """No command writes into or over its own inputs, and a merge never takes a step caught between its stages
 (issue 41): `oracle merge R1/pre --out R1/pre/rank00000 --overwrite` replaced its input; `oracle replay cap --out
-cap --overwrite` would have; ranks recorded at stage 'mid-step' were merged as if finalized."""
+cap --overwrite` would have; `oracle score truth cap --json cap/manifest.json` and `oracle compare-logs a.log b.log
+--json a.log` wrote over theirs; ranks recorded at stage 'mid-step' were merged as if finalized."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,42 @@ def test_ranks_recorded_mid_step_are_not_merged(pre, tmp_path):
     m["megatron"]["stage"] = "post-finalize"  # the control: the same rank as recorded merges
     (pre / "rank00000" / "manifest.json").write_text(json.dumps(m))
     assert _merge(pre, tmp_path / "m").exit_code == 0
+
+
+def _bytes(*paths) -> dict:
+    return {p: p.read_bytes() for d in paths for p in sorted([Path(d)] if Path(d).is_file() else Path(d).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["--json over the capture's manifest", "--json inside the capture", "--report the capture",
+                                   "--report inside the oracle"])  # fmt: skip
+def test_a_score_report_into_or_over_its_own_input_is_refused(fp32_capture, oracle_bundle, tmp_path, where):
+    """`oracle score truth cap --json cap/manifest.json` (was exit 0: the capture's manifest replaced by the
+    scores) and the like: exit 6 naming the option and the input, before the work; every input byte as it was."""
+    cap = Path(fp32_capture)
+    opt, path = {"--json over the capture's manifest": ("--json", cap / "manifest.json"),
+                 "--json inside the capture": ("--json", cap / "s.json"),
+                 "--report the capture": ("--report", cap),
+                 "--report inside the oracle": ("--report", Path(oracle_bundle) / "rep")}[where]  # fmt: skip
+    before = _bytes(cap, oracle_bundle)
+    res = invoke("score", oracle_bundle, cap, opt, path)
+    assert res.exit_code == 6 and f"{opt} {path}" in res.output and "never writes into or over" in res.output, res.output
+    assert res.stdout == "" and res.output.startswith("error: ")  # refused before the scoring: no report printed
+    assert _bytes(cap, oracle_bundle) == before
+
+
+def test_a_report_folder_that_holds_the_inputs_is_fine(fp32_capture, oracle_bundle, tmp_path):
+    """The control: a --report folder beside the captures (holding them, not inside them) is written, exit 0."""
+    cap = shutil.copytree(fp32_capture, tmp_path / "cap")
+    res = invoke("score", oracle_bundle, cap, "--report", tmp_path, "--json", tmp_path / "s.json")
+    assert res.exit_code == 0 and (tmp_path / "index.html").is_file() and (tmp_path / "s.json").is_file(), res.output
+
+
+def test_compare_logs_json_over_a_log_is_refused(tmp_path):
+    """`oracle compare-logs a.log b.log --json a.log` (was exit 0: the log replaced by the JSON): exit 6, the log as it was."""
+    data = Path(__file__).resolve().parents[1] / "data"
+    a, b = (Path(shutil.copyfile(data / n, tmp_path / n)) for n in ("h20_rank0_grad_norms.log", "910b_rank0_grad_norms.log"))
+    before = a.read_bytes()
+    res = invoke("compare-logs", a, b, "--json", a)
+    assert res.exit_code == 6 and f"--json {a} is the input" in res.output, res.output
+    assert a.read_bytes() == before
+    assert invoke("compare-logs", a, b, "--json", tmp_path / "c.json").exit_code == 0
