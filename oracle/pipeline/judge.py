@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..bundle.store import Bundle
+from ..bundle.store import Bundle, check_not_input
 from ..errors import BundleError, InputNotFound, OracleError, UsageError, problem_lines
 from ..precision import CAPTURE_NAMES, emulation
 from ..replay.options import ReplayOptions
@@ -451,7 +451,9 @@ class Judge:
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """The stages; a judge stopped before any stage wrote anything (a refusal: another step,
-        exit 5) leaves no ``--out`` folder behind that it created."""
+        exit 5) leaves no ``--out`` folder behind that it created. An ``--out`` that is, lies inside or holds a
+        run or a log is refused first (exit 6; issue 41: ``--out capB/j`` wrote into run B)."""
+        check_not_input(self.out, [p for _, p in self.inputs] + self.logs)
         created = not self.out.exists()
         try:
             return self._run()

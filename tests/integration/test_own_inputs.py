@@ -1,7 +1,7 @@
 """No command writes into or over its own inputs, and a merge never takes a step caught between its stages
 (issue 41): `oracle merge R1/pre --out R1/pre/rank00000 --overwrite` replaced its input; `oracle replay cap --out
-cap --overwrite` would have; `oracle score truth cap --json cap/manifest.json` and `oracle compare-logs a.log b.log
---json a.log` wrote over theirs; ranks recorded at stage 'mid-step' were merged as if finalized."""
+cap --overwrite` would have; `oracle score truth cap --json cap/manifest.json`, `oracle compare-logs a.log b.log
+--json a.log` and `oracle judge cap capB --out capB/j` wrote over or into theirs; ranks recorded at stage 'mid-step' were merged as if finalized."""
 
 from __future__ import annotations
 
@@ -98,3 +98,15 @@ def test_compare_logs_json_over_a_log_is_refused(tmp_path):
     assert res.exit_code == 6 and f"--json {a} is the input" in res.output, res.output
     assert a.read_bytes() == before
     assert invoke("compare-logs", a, b, "--json", tmp_path / "c.json").exit_code == 0
+
+
+@pytest.mark.parametrize("where", ["inside run B", "holding run A"])
+def test_a_judge_into_or_over_its_own_runs_is_refused(fp32_capture, tmp_path, where):
+    """`oracle judge cap capB --out capB/j` (was exit 0: the work folder and report written into run B) and an --out
+    holding a run: exit 6 naming the run, before any stage; the runs as they were."""
+    a, b = shutil.copytree(fp32_capture, tmp_path / "a"), shutil.copytree(fp32_capture, tmp_path / "w" / "b")
+    out = {"inside run B": b / "j", "holding run A": tmp_path}[where]
+    before = _bytes(a, b)
+    res = invoke("judge", a, b, "--out", out)
+    assert res.exit_code == 6 and f"--out {out}" in res.output and "never writes into or over" in res.output, res.output
+    assert _bytes(a, b) == before and not (b / "j").exists()
