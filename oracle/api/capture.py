@@ -82,11 +82,12 @@ class CaptureOptions:
 def capture(opts: CaptureOptions, echo: Echo = print) -> int:
     """One step as ``opts`` says, written to ``opts.out``; prints what it captured."""
     from .. import recipe
-    from ..bundle.store import Bundle
+    from ..bundle.store import Bundle, check_not_input
     from ..capture.samples import read_sample
     from ..capture.steps import capture_recipe_step
 
     check_device(opts.device)
+    check_not_input(opts.out, [m for m in (opts.model, opts.sample) if m and os.path.exists(m)])  # a model folder or sample
     r = recipe.for_model(opts.model)
     src = r.load(opts.model)
     smp = [read_sample(opts.sample, i) for i in opts.lines] if opts.sample else [r.default_sample()]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..bundle.store import BundleWriter
+from ..bundle.store import BundleWriter, check_not_input
 from ..errors import BundleError, InputNotFound
 from .megatron.layout import partial_sum
 
@@ -124,6 +124,7 @@ def import_dump(path: str | Path, out: str | Path, *, step: int | None = None, r
                 precision: str = "unknown", megatron_tp: int | None = None, megatron_rank: int | None = None,
                 megatron_dp: int = 1, megatron_pp: int = 1, sequence_parallel: bool = False, stage: str = "pre-finalize",
                 overwrite: bool = False) -> Path:  # fmt: skip
+    check_not_input(out, [path])  # a bundle written into the dump it reads (issue 41)
     dirs = dump_dirs(path, step=step, rank=rank)
     if len(dirs) > 1:
         raise BundleError(

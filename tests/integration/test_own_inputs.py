@@ -1,7 +1,8 @@
 """No command writes into or over its own inputs, and a merge never takes a step caught between its stages
 (issue 41): `oracle merge R1/pre --out R1/pre/rank00000 --overwrite` replaced its input; `oracle replay cap --out
 cap --overwrite` would have; `oracle score truth cap --json cap/manifest.json`, `oracle compare-logs a.log b.log
---json a.log` and `oracle judge cap capB --out capB/j` wrote over or into theirs; ranks recorded at stage 'mid-step' were merged as if finalized."""
+--json a.log` and `oracle judge cap capB --out capB/j` wrote over or into theirs (capture and import-msprobe
+likewise); ranks recorded at stage 'mid-step' were merged as if finalized."""
 
 from __future__ import annotations
 
@@ -110,3 +111,19 @@ def test_a_judge_into_or_over_its_own_runs_is_refused(fp32_capture, tmp_path, wh
     res = invoke("judge", a, b, "--out", out)
     assert res.exit_code == 6 and f"--out {out}" in res.output and "never writes into or over" in res.output, res.output
     assert _bytes(a, b) == before and not (b / "j").exists()
+
+
+@pytest.mark.parametrize("command", ["capture", "import-msprobe"])
+def test_a_capture_or_import_into_what_it_reads_is_refused(tmp_path, command):
+    """`oracle capture --sample s.jsonl --out s.jsonl/cap` and `oracle import-msprobe DUMP --out DUMP/ms`: exit 6 naming
+    the input, before the step or the dump is read; nothing written."""
+    if command == "capture":
+        src = tmp_path / "s.jsonl"
+        src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}) + "\n")
+        res = invoke("capture", "--sample", src, "--out", src / "cap")
+    else:
+        src = tmp_path / "dump"
+        src.mkdir()
+        res = invoke("import-msprobe", src, "--out", src / "ms")
+    assert res.exit_code == 6 and f"is inside the input {src}" in res.output, res.output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [src.name]
