@@ -23,6 +23,9 @@ from oracle.parallel.launch import free_port
 CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
        "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "seq_len": 16}  # fmt: skip
 SEED = 1234
+# What the ranks' fork server imports once (run_peer); a name that fails to import is left to the rank.
+_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.pipeline_parallel",
+            "oracle.integrations.megatron.hook", "megatron_peer"]  # fmt: skip
 PACKED = [0, 5, 11, CFG["seq_len"]]  # sample boundaries of the packed run
 
 
@@ -86,8 +89,9 @@ def _plant_mlp_grad_scale(model, layer: int, factor: float, inside: bool = False
                 m.register_forward_hook(lambda mod, args, out: out[0].register_hook(lambda g: g * factor) and None)
 
 
-def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir: str | None = None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, out: str, opts: dict, port: int, msprobe_dir: str | None, env: dict[str, str]):
+    os.environ.clear()  # the caller's environment at the call, not the fork server's at its start
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     _shims()
@@ -261,7 +265,12 @@ def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: 
             "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss,
             "mb_seeds": list(mb_seeds), "fault_inside": fault_inside}  # fmt: skip
     port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
-    mp.spawn(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir), nprocs=tp * pp * dp, join=True)
+    # Ranks fork from a server that imported torch, megatron-core and this module once per test process: a
+    # spawned rank spent about 6 s of CPU on those imports, some 50 ranks per suite run (issue 42). The server
+    # only imported (no intra-op thread pool started yet, no process group), so a fork of it is as clean as a spawn.
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    mp.start_processes(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir, dict(os.environ)), nprocs=tp * pp * dp,
+                       join=True, start_method="forkserver")  # fmt: skip
     return out
 
 
