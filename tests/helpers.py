@@ -6,6 +6,7 @@ rank by pid, a streamed replay's budget derived from the process it runs in."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import re
 import subprocess
@@ -24,6 +25,19 @@ ORACLE = [sys.executable, "-m", "oracle"]  # the command line as torchrun and --
 # calls it a hang: a guard, never a speed bound. What is waited for comes in seconds on a quiet machine; at
 # load 12 on 2 cores it took minutes (issue 42), so no pass depends on the machine's speed.
 HANG_S = 900
+# What a test's helper processes import once, in their fork server (fork_server()); a name that fails to import
+# there is left to the child. Only imports: no intra-op thread pool started, no process group, no model.
+PRELOAD = ["torch", "transformers", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "oracle.recipe", "oracle.integrations.megatron.hook", "megatron_peer"]  # fmt: skip
+
+
+def fork_server() -> str:
+    """The start method of a test's helper processes (megatron-core ranks, msprobe dumps): "forkserver", whose
+    server imported PRELOAD once per test process, so a child starts without paying them (a spawned rank spent
+    about 6 s of CPU on torch and megatron-core's imports, some 50 per suite run: issue 42). A child sees the
+    server's environment, not its caller's: pass what it needs (run_peer passes os.environ)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return "forkserver"
 
 
 def invoke(*args):

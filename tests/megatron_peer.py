@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
+from helpers import fork_server
 
 from oracle.parallel.launch import free_port
 
@@ -23,11 +24,7 @@ from oracle.parallel.launch import free_port
 CFG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 16,
        "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "seq_len": 16}  # fmt: skip
 SEED = 1234
-# What the ranks' fork server imports once (run_peer); a name that fails to import is left to the rank.
-_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.pipeline_parallel",
-            "oracle.integrations.megatron.hook", "megatron_peer"]  # fmt: skip
 PACKED = [0, 5, 11, CFG["seq_len"]]  # sample boundaries of the packed run
-
 
 def batch(vocab: int = CFG["vocab_size"], seed: int = 7) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -265,12 +262,9 @@ def run_peer(out: str, tp: int, sp: bool, port: int | None = None, msprobe_dir: 
             "packed": packed, "fault": fault, "tied": tied, "modules": modules, "no_loss": no_loss,
             "mb_seeds": list(mb_seeds), "fault_inside": fault_inside}  # fmt: skip
     port = port or free_port()  # a fresh rendezvous port each run: concurrent or repeated runs never collide
-    # Ranks fork from a server that imported torch, megatron-core and this module once per test process: a
-    # spawned rank spent about 6 s of CPU on those imports, some 50 ranks per suite run (issue 42). The server
-    # only imported (no intra-op thread pool started yet, no process group), so a fork of it is as clean as a spawn.
-    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    # ranks fork from a server that imported torch and megatron-core once (helpers.fork_server)
     mp.start_processes(_worker, args=(tp * pp * dp, out, opts, port, msprobe_dir, dict(os.environ)), nprocs=tp * pp * dp,
-                       join=True, start_method="forkserver")  # fmt: skip
+                       join=True, start_method=fork_server())  # fmt: skip
     return out
 
 

@@ -190,6 +190,7 @@ def test_two_hosts_within_the_bound_and_bitwise_repeatable_with_nothing_shared(h
     assert keys[0] != keys[1]  # each host signed its work folder with its own key
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_host_killed_mid_backward_resumes_bitwise(hosts, whole):
     """Host B's rank SIGKILLed right after its 3rd journalled unit (the backward of decoder layer 2):
     host A's rank exits 11 naming rank 1 (torchrun on host A reports that exit code and itself exits

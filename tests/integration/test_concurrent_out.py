@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import stream_budget
 
 from oracle.bundle.store import Bundle
-from helpers import stream_budget
 
 pytestmark = pytest.mark.rare  # concurrent writers: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 

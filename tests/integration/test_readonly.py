@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import stream_budget
 from typer.testing import CliRunner
 
 from cli import app
-from helpers import stream_budget
 
 runner = CliRunner()
 

@@ -91,7 +91,7 @@ def test_dry_run_prints_flops_time_memory_and_disk(fp32_capture, tmp_path):
 
 @pytest.mark.parametrize(
     "extra,member",
-    [([], "grads"), (["--dtype", "amp-bf16", "--ensemble", "2"], "grads.1")],
+    [([], "grads"), pytest.param(["--dtype", "amp-bf16", "--ensemble", "2"], "grads.1", marks=pytest.mark.rare)],
     ids=["oracle", "jittered-band-member"],
 )
 def test_a_killed_streaming_replay_resumes_bitwise(fp32_capture, tmp_path, extra, member):

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import stream_budget
 
 from oracle.bundle.store import Bundle
 from oracle.replay.run import replay
 from oracle.replay.token_split import KILL_ENV
-from helpers import stream_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,6 +89,7 @@ def test_a_streamed_bundle_has_the_umasks_modes(fp32_capture, tmp_path):
         assert any(n.startswith("grads-") for n in modes) and set(modes.values()) == {oct(fmode)}, modes
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_work_folder_left_by_a_killed_streamed_run_is_removed_by_an_in_memory_rerun(fp32_capture, tmp_path):
     """A streamed replay killed mid-way leaves .o.partial; the in-memory replay of the same step and
     command into the same --out supersedes it: removed once the bundle is in place, and said so."""
@@ -104,6 +105,7 @@ def test_a_work_folder_left_by_a_killed_streamed_run_is_removed_by_an_in_memory_
     assert Bundle(out).kind == "oracle"
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_work_folder_of_another_command_or_not_ours_is_named_and_kept(fp32_capture, tmp_path):
     """Beside an in-memory replay's --out: our work folder of another command (here another precision)
     is kept and named (its resume is the user's), a folder of that name that is not ours is kept and
@@ -188,6 +190,7 @@ def test_a_kill_right_after_a_dropped_input_gradient_resumes_bitwise(fp32_captur
     assert [n for n in b if not torch.equal(a[n], b[n])] == []
 
 
+@pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_work_folder_left_after_publishing_is_named_and_overwrite_settles_it(fp32_capture, tmp_path, monkeypatch):
     """Stopped after its bundle was published and before its work folder was removed (the last step of a
     streamed replay), the rerun of the same command is refused (exit 6) with the folder named and the way

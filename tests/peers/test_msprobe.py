@@ -5,6 +5,7 @@ import multiprocessing
 
 import pytest
 import torch
+from helpers import fork_server
 from megatron_peer import CFG, run_peer
 from test_megatron import HF
 from typer.testing import CliRunner
@@ -44,7 +45,7 @@ def _dump_in_child(out: str, summary: bool) -> None:
 
 def _dump_tiny(out, summary=False):
     """A dump of the same step as the session's fp32 capture (embedded model and sample)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(fork_server())  # a fresh process, without re-importing torch and transformers
     p = ctx.Process(target=_dump_in_child, args=(str(out), summary))
     p.start()
     p.join(300)
