@@ -5,6 +5,7 @@ Everything session-scoped is built lazily and written under pytest's tmp_path_fa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,19 @@ from oracle.capture.steps import capture_recipe_step
 from oracle.replay.run import replay
 
 MODEL = "tiny-qwen3-vl"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (README command 2: ``-n 2``) each worker computes on its share of the cores, and so
+    do the processes it starts (OMP_NUM_THREADS is inherited): two workers each running torch on every core
+    oversubscribe a 2-core machine, and OpenMP's spinning threads then wait on each other (issue 42). A test
+    that sets its own thread count (``--threads``, ``torch.set_num_threads``) still does."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
