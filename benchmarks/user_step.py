@@ -77,16 +77,17 @@ def packed_inputs(cfg: dict, tokens: int, side: int) -> dict[str, torch.Tensor]:
     return get("qwen3-vl").pack_inputs(parts)
 
 
-def write_sparse_capture(path: Path, cfg: dict, inputs: dict[str, torch.Tensor], grads: bool = False) -> Path:
-    """A capture whose weights file (bf16) is a valid safetensors header over a hole; with ``grads``
-    its float32 gradients too (main_grad's dtype), for judge's dry run, which needs a whole capture."""
+def write_sparse_capture(path: Path, cfg: dict, inputs: dict[str, torch.Tensor]) -> Path:
+    """A capture whose weights (bf16) and float32 gradients (main_grad's dtype) are each a valid safetensors
+    header over a hole: a capture holds its gradients (the bundle schema refuses one without), the dry runs
+    never read them."""
     model = skeleton(get("qwen3-vl"), cfg, torch.float32)
     with BundleWriter(path, "capture", overwrite=True) as w:
         w.manifest.update(recipe={"name": "qwen3-vl", "config": cfg}, precision="bf16", device={"type": "cuda"},
                           versions=versions(), loss={"value": None, "reduction": "mean", "num_tokens": None},
                           metadata={"model": "Qwen3-VL-8B shapes, sparse weights (benchmark)"})  # fmt: skip
         w.add("inputs", inputs)
-        for group, dtype, size in (("weights", "bfloat16", 2), ("grads", "float32", 4))[: 2 if grads else 1]:
+        for group, dtype, size in (("weights", "bfloat16", 2), ("grads", "float32", 4)):
             f = w._tmp / f"{group}.safetensors"
             w.adopt(group, f, sparse_file(f, model, dtype, size), move=True)
     return path
@@ -138,7 +139,7 @@ def bench_judge(d: Path, cfg_path: Path | None) -> int:
     cfg = vl8b_config(36) if cfg_path is None else _config(cfg_path, 36)
     inputs = packed_inputs(cfg, 65536, 448)
     for name in ("H20", "910B"):
-        write_sparse_capture(d / name, cfg, inputs, grads=True)
+        write_sparse_capture(d / name, cfg, inputs)
     cmd = [sys.executable, "-m", "oracle", "judge", "H20", "910B", "--dry-run", "--max-memory", "16G", "--out", "judged"]
     print("judge. Qwen3-VL-8B, 36 layers, 27-block ViT, 65536 tokens from 4 packed samples; " + " ".join(["oracle", *cmd[3:]]))
     r = subprocess.run(cmd, cwd=d, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

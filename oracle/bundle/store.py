@@ -380,7 +380,9 @@ class Bundle:
                 raise BundleError(f"{self.path} is not a bundle: it is the work folder of a streamed replay into {final} "
                                   "that has not finished; rerun that replay (the same command) to resume and publish it")  # fmt: skip
             if not self.path.is_dir():
-                raise BundleError(f"{self.path} is a file, not a bundle directory")
+                inside = self.path.parent / MANIFEST
+                fix = f": it is a file of the bundle {self.path.parent}; give that folder" if inside.is_file() else ""
+                raise BundleError(f"{self.path} is a file, not a bundle directory{fix}")
             if not mpath.is_file():
                 raise BundleError(f"{self.path} is not a bundle: {MANIFEST} is missing")
             self._root = self.path.resolve()

@@ -532,6 +532,15 @@ def headline(noise_a: dict, born_a: dict, ops: dict, fw: dict | None = None, dec
     return "answer: " + "; ".join(parts) + tail
 
 
+def one_capture(runs: list[dict[str, Any]]) -> str:
+    """The headline's first words where both runs are one capture (a copy of a folder: byte-identical manifests,
+    which hold every tensor's sha256, so the same gradients): one run judged against itself says so first."""
+    if len(runs) != 2 or not runs[0].get("fingerprint") or runs[0]["fingerprint"] != runs[1].get("fingerprint"):
+        return ""
+    return (f"{runs[0]['name']} and {runs[1]['name']} are one capture (byte-identical manifests, so the same gradients): "
+            "one run judged against itself, not two devices; give the other device's capture as run B; ")  # fmt: skip
+
+
 def build(
     score: dict[str, Any], runs: list[dict[str, Any]], *, local: dict, explained: dict, logs: dict | None
 ) -> dict[str, Any]:
@@ -546,7 +555,7 @@ def build(
     a1b = bound_mod.annotate(score, {c["name"]: c.get("num_tokens") for c in score["captures"]})
     fw = framework(score)
     return {
-        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4, fw, decision),
+        "schema_version": SCHEMA_VERSION, "kind": "oracle-judge", "headline": headline(a1, a3, a4, fw, decision).replace("answer: ", "answer: " + one_capture(runs), 1),
         "runs": runs, "decision": _public(decision),
         "answers": {"noise": a1, "bound": a1b, "farther": a2, "born": a3, "op_class": a4, "framework": fw},
         "not_concluded": not_concluded(score, local, runs, logs), "logs": logs,

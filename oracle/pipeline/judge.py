@@ -88,9 +88,7 @@ def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
     if p.name == "manifest.json" and p.is_file():
         raise UsageError(f"run {label}: {p} is a bundle's manifest file: give the bundle's folder, {p.parent}")
     if not p.is_dir():
-        hint = (" It looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log (with no runs, the "
-                "logs-only answer)" if p.suffix.lower() in LOG_SUFFIXES or _looks_like_text(p) else "")  # fmt: skip
-        raise UsageError(f"run {label}: {p} is a file, neither a capture bundle nor a folder of rank bundles.{hint}")
+        raise UsageError(f"run {label}: {p} is a file, neither a capture bundle nor a folder of rank bundles. {_what_file(p)}")
     subs = sorted(d for d in p.iterdir() if d.is_dir())
     if any((d / "manifest.json").is_file() for d in subs):
         return "ranks", p
@@ -104,13 +102,31 @@ def resolve_run(path: str | Path, label: str) -> tuple[str, Path]:
     raise UsageError(f"run {label}: {p} holds no capture bundle (manifest.json) and no rank bundles{NO_CAPTURE_HINT}")
 
 
-def _looks_like_text(p: Path) -> bool:
+def _what_file(p: Path) -> str:
+    """What a file given as a run is, and what to give instead (a file of a bundle, of a judge's report or
+    work folder, a --sample file, a grad-norm log): the file's place and first bytes, never its whole read."""
     try:
         with open(p, "rb") as f:
             head = f.read(4096)
     except OSError:
-        return False
-    return bool(head) and b"\0" not in head
+        head = b""
+    if (p.parent / "manifest.json").is_file():
+        return f"It is a file of the capture bundle {p.parent}: give the bundle's folder, {p.parent}"
+    if p.name in ("judge.json", "judge.txt", "index.html", "errors.png", "score.json", "params.csv") or b'"oracle-judge"' in head:
+        return ("It is a file of a report (oracle judge's or oracle score's), not a run: give the capture folders "
+                "the report was made from")  # fmt: skip
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return "It is a JSON-lines file (samples?): samples are captured with oracle capture --sample FILE.jsonl --out DIR"
+    if suffix == ".safetensors":
+        return "It is a tensor file; a capture bundle is the folder holding it and its manifest.json"
+    text = bool(head) and b"\0" not in head
+    if suffix == ".log" or (text and b"norm" in head.lower()):
+        return ("It looks like a grad-norm log: give the logs as --log-a A.log --log-b B.log (with no runs, the "
+                "logs-only answer)")  # fmt: skip
+    kinds = {".json": "a JSON file", ".html": "an HTML page", ".csv": "a table"}
+    what = kinds.get(suffix, "a text file without a gradient norm" if text else "not a capture")
+    return f"It is {what}: give a capture bundle (a folder with manifest.json) or the folder of a run's rank bundles"
 
 
 def check_log(path: str | Path, flag: str) -> Path:

@@ -66,6 +66,7 @@ def test_a_streamed_judge_rerun_on_a_loaded_machine_gives_the_same_report(amp_ca
     args = ["judge", amp_capture, twin, "--name", "A", "--name", "B", "--max-memory", "2G", "--threads", "2"]
     first = invoke(*args, "--out", tmp_path / "j1")
     assert first.exit_code == 0, first.output
+    assert first.stdout.startswith("answer: A and B are one capture (byte-identical manifests"), first.stdout[:300]
     shutil.copytree(tmp_path / "j1", tmp_path / "j2")  # the truth reused; the band, score and report made again
     for p in ("band-amp-bf16", ".band-amp-bf16.key", "score.json", "report"):
         shutil.rmtree(tmp_path / "j2" / p) if (tmp_path / "j2" / p).is_dir() else (tmp_path / "j2" / p).unlink()

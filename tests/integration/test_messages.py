@@ -77,6 +77,29 @@ def test_a_run_judged_against_itself_and_a_manifest_given_as_a_run_are_refused(f
     assert "grad-norm log" not in res.stderr and not (tmp_path / "j").exists()
 
 
+def test_a_file_given_as_a_run_is_named_for_what_it_is(fp32_capture, tmp_path):
+    """A bundle's tensor file, a judge report's judge.json, a --sample .jsonl, a text without norms given as a run:
+    exit 2 naming what it is and what to give (none called a grad-norm log); replay names the bundle of a file in it."""
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "judge.json").write_text('{"schema_version": 1, "kind": "oracle-judge"}')
+    (tmp_path / "train.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "notes.txt").write_text("to do: capture both runs\n")
+    said = {
+        Path(fp32_capture) / "grads.safetensors": f"It is a file of the capture bundle {fp32_capture}: give the bundle's folder, {fp32_capture}",
+        tmp_path / "report" / "judge.json": "It is a file of a report (oracle judge's or oracle score's), not a run",
+        tmp_path / "train.jsonl": "It is a JSON-lines file (samples?): samples are captured with oracle capture --sample FILE.jsonl",
+        tmp_path / "notes.txt": "It is a text file without a gradient norm: give a capture bundle (a folder with manifest.json)",
+    }
+    for path, what in said.items():
+        res = _err(["judge", str(path), str(fp32_capture), "--out", str(tmp_path / "j")])
+        assert res.exit_code == 2, res.output
+        assert f"run A: {path} is a file, neither a capture bundle nor a folder of rank bundles. {what}" in res.stderr
+        assert "grad-norm log" not in res.stderr and not (tmp_path / "j").exists()
+    res = _err(["replay", str(Path(fp32_capture) / "manifest.json"), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 4, res.output
+    assert f"it is a file of the bundle {fp32_capture}; give that folder" in res.stderr
+
+
 def test_capture_index_without_a_sample_is_a_usage_error(tmp_path):
     """--index 1 without --sample (the embedded sample is one): exit 2 saying to give --sample; nothing written."""
     res = _err(["capture", "--out", str(tmp_path / "c"), "--index", "1"])

@@ -152,3 +152,15 @@ def test_parameters_beyond_the_threshold_inside_layers_within_theirs_make_the_ru
     assert b["per_run"][0]["module"] is None and b["per_run"][1]["module"] == f"{L1}.mlp", b
     head = answers.headline(a, b, {"per_run": []}, decision=answers.decide_mod.decide(score))
     assert head.startswith(f"answer: 910B is faulty (beyond its own noise band); born in {L1}.mlp"), head
+
+
+def test_one_capture_judged_against_itself_is_said_first():
+    """Two runs of one manifest (a copy of a folder): the headline's first words say so and what to give; two
+    captures of different manifests, or a run without a fingerprint (logs), say nothing."""
+    runs = [{"name": "A", "fingerprint": "f0"}, {"name": "copy", "fingerprint": "f0"}]
+    assert answers.one_capture(runs) == (
+        "A and copy are one capture (byte-identical manifests, so the same gradients): one run judged against itself, "
+        "not two devices; give the other device's capture as run B; "
+    )
+    assert answers.one_capture([runs[0], {"name": "B", "fingerprint": "f1"}]) == ""
+    assert answers.one_capture([{"name": "A"}, {"name": "B"}]) == ""

@@ -204,6 +204,23 @@ def test_benchmarks_read_only_what_a_fresh_clone_holds():
     assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (4096, 36, 151936), text
 
 
+def test_the_user_steps_sparse_capture_is_a_bundle_the_tool_reads(tmp_path, monkeypatch):
+    """benchmarks/user_step.py's sparse 8B-shaped capture (plan's, cut's extrapolation) holds its gradients: the
+    bundle schema refuses a capture without, and `user_step.py plan` ended in that traceback in a fresh clone."""
+    import importlib.util
+    import sys
+
+    from oracle.bundle.store import Bundle
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first on the path: undone after
+    spec = importlib.util.spec_from_file_location("user_step", ROOT / "benchmarks" / "user_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod._config(ROOT / "benchmarks" / "qwen3-vl-8b-config.json", 1)  # one decoder layer; the files are holes
+    cap = Bundle(mod.write_sparse_capture(tmp_path / "cap", cfg, mod.packed_inputs(cfg, 1024, 64)))
+    assert cap.get("kind") == "capture" and cap.names("grads") == cap.names("weights")
+
+
 def _argv_reads(tree: ast.AST) -> list[int]:
     """Lines reading sys.argv / sys.orig_argv outside an ``if __name__ == "__main__":`` block."""
     guarded: set[int] = set()
