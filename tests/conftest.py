@@ -18,17 +18,23 @@ from oracle.replay.run import replay
 MODEL = "tiny-qwen3-vl"
 
 
+THREADS = 1  # torch's thread count in this test process, set by pytest_configure
+
+
 def pytest_configure(config):
     """Under pytest-xdist (README command 2: ``-n 2``) each worker computes on its share of the cores, and so
     do the processes it starts (OMP_NUM_THREADS is inherited): two workers each running torch on every core
     oversubscribe a 2-core machine, and OpenMP's spinning threads then wait on each other (issue 42). A test
     that sets its own thread count (``--threads``, ``torch.set_num_threads``) still does."""
+    global THREADS
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // int(workers))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
+        THREADS = max(1, cores // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    else:
+        THREADS = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")
@@ -90,8 +96,14 @@ def band(fp32_capture, root):
 
 @pytest.fixture(autouse=True)
 def _deterministic():
+    """Each test starts from seed 0 and the suite's thread count (THREADS), and leaves it so: a command run in
+    process with --threads sets torch's for the process, as its own process would, and float32 sums follow the
+    count (BLAS blocking, precision/mode.py), so a leak would make the next in-process result differ from a
+    child process's run of the same command."""
+    torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     yield
+    torch.set_num_threads(THREADS)
 
 
 FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "distributed": "distributed", "peers": "peers", "swift": "peers", "mindspeed": "peers"}

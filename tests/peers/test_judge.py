@@ -22,7 +22,9 @@ from cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
-ARGS = ["--recipe", "qwen3", "--name", "H20", "--name", "NPU", "--ensemble", "2"]
+# --threads as every judge here runs it, in process and as a process alike: float32 band members' sums follow the
+# thread count, and the reports compared below must come from the same one
+ARGS = ["--recipe", "qwen3", "--name", "H20", "--name", "NPU", "--ensemble", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +372,7 @@ def test_nproc_spreads_the_replays_over_ranks_and_gives_the_same_answer(runs, ju
 
     work = tmp_path / "work"
     res = subprocess.run([sys.executable, "-m", "oracle", "judge", str(runs / "h20" / "pre"), str(runs / "npu" / "pre"),
-                          "--out", str(work), "--nproc", "2", "--threads", "1", *ARGS], capture_output=True, text=True,
+                          "--out", str(work), "--nproc", "2", *ARGS], capture_output=True, text=True,
                          env=_env(), cwd=REPO, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert Bundle(work / "band-fp32").get("ranks") == 2
