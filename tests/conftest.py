@@ -5,7 +5,6 @@ Everything session-scoped is built lazily and written under pytest's tmp_path_fa
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,23 +17,10 @@ from oracle.replay.run import replay
 MODEL = "tiny-qwen3-vl"
 
 
-THREADS = 1  # torch's thread count in this test process, set by pytest_configure
-
-
-def pytest_configure(config):
-    """Under pytest-xdist (README command 2: ``-n 2``) each worker computes on its share of the cores, and so
-    do the processes it starts (OMP_NUM_THREADS is inherited): two workers each running torch on every core
-    oversubscribe a 2-core machine, and OpenMP's spinning threads then wait on each other (issue 42). A test
-    that sets its own thread count (``--threads``, ``torch.set_num_threads``) still does."""
-    global THREADS
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        THREADS = max(1, cores // int(workers))
-        os.environ["OMP_NUM_THREADS"] = str(THREADS)
-    else:
-        THREADS = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+# torch's thread count in every test: the process's default (every core), the count `oracle replay` and `judge`
+# take when no --threads is given (api/replay.py: the float64 sums' split follows it), so a test's in-process result
+# and a child process's run of the same command agree bitwise. Not lowered under xdist's two workers for that reason.
+THREADS = torch.get_num_threads()
 
 
 @pytest.fixture(scope="session")
