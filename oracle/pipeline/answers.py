@@ -391,6 +391,14 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
         t = margin if margin is not None else float((c.get("threshold") or {}).get("value") or 3.0)
         ex = explained.get(b["run"])
         direction = b.get("direction")
+        if ":" in b["module"]:  # an input made outside the recorded modules (replay/local.py ``input_rows``)
+            owner, key = b["module"].split(":", 1)
+            rows.append({"run": b["run"], "class": f"input ({key}, forward)", "share": None, "source": "local replay",
+                         "text": f"a wrong input: the {key} {owner} received are not what the step's own inputs give "
+                                 f"(the float64 replay computes them from the captured positions): made wrong before "
+                                 f"{owner}, where they are computed (for rotary tables: the position ids or sections "
+                                 "the rotary embedding used), not a precision"})  # fmt: skip
+            continue
         if direction == "forward" and _ATTN.search(b["module"]) and not (ex and ex["classes"][0]["share_only"] >= 0.5):
             rows.append({"run": b["run"], "class": "attention (forward)", "share": None, "source": "signature",
                          "text": f"a forward error in attention: {b['module']} is where it is born and its forward is at fault "

@@ -547,7 +547,9 @@ class Judge:
             local[n] = st.document(f"local-score-{n}", f"score {n}'s local replay", {"margin": self.margin, "rule": RULE}, [lb],
                                    lambda lb=lb: score_local(lb, margin=self.margin))  # fmt: skip
             culprit = local[n]["verdict"].get("culprit")
-            if culprit:
+            if culprit and ":" in culprit:  # an input made outside the recorded modules (replay/local.py): no op of it ran
+                progress.skip(f"explain-{n}", f"{culprit} is an input made outside the recorded modules: no op class to rank")
+            elif culprit:
                 explained[n] = st.document(f"explain-{n}", f"which op class explains {culprit}", {"module": culprit}, [cp],
                                            lambda cp=cp, culprit=culprit: explain_culprit(cp, culprit))  # fmt: skip
             else:

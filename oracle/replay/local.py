@@ -18,6 +18,24 @@ For each module M recorded at capture (modules.py), on CPU:
 The pseudo-module ``loss`` does the same for the loss alone, from the device's logits (the lm_head
 output) to the device's gradient of the logits.
 
+Inputs made outside the recorded modules (``input_rows``): a keyword input of M that is floating point,
+carries no gradient and is not M's hidden state -- the rotary tables ``position_embeddings`` a decoder
+layer or a ViT block receives, computed once from the step's positions by a module that is not recorded
+(mcore's rotary is a function) -- is fed to M as the device made it, so a teacher-forced M cannot see it
+wrong. It is checked on its own as a pseudo-module ``M:key`` (forward only):
+    fwd      = max_i |d_i| / max_i |t_i|   d = device's value - t, t = the value M receives in the
+               end-to-end float64 replay (all of the key's tensors jointly)
+    members  = the same from an emulated end-to-end replay of the capture's precision (stopped before
+               the last recorded module), rounded to the format the device held the value in
+    floor    = a quarter of the unit roundoff of that format (a member that rounds nothing)
+Elementwise, not rel L2: such a value is computed element by element from the positions (no sum), so
+each element's honest error is its format's rounding (plus the float32 angle's), and a wrong value
+confined to a few tokens (the image tokens' rotary rows) is diluted in an L2 ratio over all of them
+(the tiny Qwen3-VL's sections swapped for its image tokens: rel L2 1.5x an honest bf16 member's).
+One row per distinct value: the same tables handed to every layer are checked where they first enter
+(the earliest recorded module, or its outermost recorded ancestor, that received that value bitwise).
+A wrong value there is a forward error born before M, in whatever computed it from the positions.
+
 Each row also counts the NaN/Inf in the device's boundary tensors of M (``nonfinite``: in, out,
 gout, gin, param) and in the float64 results (``truth_nonfinite``), and M's place in the forward
 (``order``), so that scoring can name where non-finite values are born. Scoring and rendering are
@@ -55,6 +73,13 @@ LOSS = "loss"
 
 def _rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float | None:
     return rel_l2(dev, ref) if ref else None
+
+
+def _max_rel(dev: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """max_i |dev_i - ref_i| / max_i |ref_i| over all tensors jointly, in float64 (inf if only ref is zero)."""
+    d = max((float((a.double() - b.double()).abs().max()) for a, b in zip(dev, ref) if a.numel()), default=0.0)
+    t = max((float(b.double().abs().max()) for b in ref if b.numel()), default=0.0)
+    return d / t if t else (0.0 if d == 0 else float("inf"))
 
 
 def _nonfinite(ts: list[torch.Tensor]) -> int:
@@ -210,20 +235,26 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
     return row
 
 
-def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
-    """grad_output of each module in the end-to-end float64 replay vs the device's."""
+def _inherited(cap: Bundle, names: list[str], kw: dict | None = None) -> dict[str, float | None]:
+    """grad_output of each module in the end-to-end float64 replay vs the device's; ``kw`` receives the
+    modules' gradient-free floating keyword inputs in that replay (``input_rows``)."""
     real = [n for n in names if n != LOSS]
     recorders: list[ModuleRecorder] = []
+    hooks: list = []
 
     def record(model):
         recorders.append(ModuleRecorder(model, real))
         recorders[-1].__enter__()
+        if kw is not None:
+            hooks.extend(_kw_inputs(model, real, kw))
 
     try:
         run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
     finally:
         for r in recorders:
             r.close()
+        for h in hooks:
+            h.remove()
     rec = recorders[0]
     out: dict[str, float | None] = {}
     for n in real:
@@ -234,6 +265,96 @@ def _inherited(cap: Bundle, names: list[str]) -> dict[str, float | None]:
         out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) else None
     out[LOSS] = 0.0 if LOSS in names else None  # the loss receives the constant 1: nothing to inherit
     return out
+
+
+class _Enough(Exception):
+    """Raised by the emulated replay once every recorded module's inputs are in: the rest is not needed."""
+
+
+def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[str, list[torch.Tensor]]],
+               stop: str | None = None) -> list:  # fmt: skip
+    """Forward pre-hooks keeping each module's gradient-free floating keyword inputs (first call), by key;
+    ``stop``: the module whose inputs are the last needed (raises ``_Enough`` after keeping them)."""
+    hooks = []
+    for n in names:
+        def hook(module, args, kwargs, n=n):
+            if n not in store:
+                store[n] = {}
+                for k, v in kwargs.items():
+                    leaves, _ = tree_flatten(v)
+                    if leaves and all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad for t in leaves):
+                        store[n][k] = [t.detach().to("cpu", copy=True) for t in leaves]
+            if n == stop:
+                raise _Enough
+            return None
+
+        hooks.append(model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True))
+    return hooks
+
+
+def _device_kw_inputs(cap: Bundle, name: str) -> dict[str, list[torch.Tensor]]:
+    """The device's recorded gradient-free floating keyword inputs of ``name``, by key."""
+    meta, group = cap.manifest["modules"][name], group_name(name)
+    spec = treespec_loads(meta["in_spec"])
+    _, kw_idx = tree_unflatten(list(range(spec.num_leaves)), spec)
+    stored, grad_in = set(cap.names(group)), set(meta.get("grad_in", []))
+    out = {}
+    for k, v in (kw_idx or {}).items():
+        idx, _ = tree_flatten(v)
+        if not idx or any(not isinstance(i, int) or i in grad_in or f"in.{i}" not in stored for i in idx):
+            continue
+        ts = [cap.load(group, f"in.{i}") for i in idx]
+        if all(t.is_floating_point() for t in ts):
+            out[k] = ts
+    return out
+
+
+def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[torch.Tensor]]], emulate: str) -> list[dict[str, Any]]:
+    """The pseudo-modules ``M:key`` of the module docstring; ``truth``: the float64 replay's kept inputs."""
+    mods = cap.manifest["modules"]
+    seen: list[tuple[str, str, list[torch.Tensor]]] = []  # (module, key, device value) checked already
+    rows = []
+    for n in sorted((n for n in names if n in mods), key=lambda n: mods[n].get("order", 0)):
+        for k, dev in _device_kw_inputs(cap, n).items():
+            ref = (truth.get(n) or {}).get(k)
+            if ref is None or len(ref) != len(dev) or any(a.shape != b.shape for a, b in zip(dev, ref)):
+                continue
+            same = next((i for i, (_, k2, d2) in enumerate(seen) if k2 == k and len(d2) == len(dev)
+                         and all(torch.equal(a, b) for a, b in zip(d2, dev))), None)  # fmt: skip
+            if same is not None:
+                m0 = seen[same][0]
+                if m0.startswith(n + "."):  # n holds the module that got it first: the row is n's
+                    seen[same] = (n, k, dev)
+                continue
+            seen.append((n, k, dev))
+    if not seen:
+        return []
+    member: dict[str, dict[str, list[torch.Tensor]]] = {}
+    last = max((n for n, _, _ in seen), key=lambda n: mods[n].get("order", 0))
+    hooks: list = []
+
+    def instrument(model):
+        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last))
+
+    try:
+        run_step(cap, emulate, instrument=instrument)
+    except _Enough:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    for n, k, dev in seen:
+        ref = truth[n][k]
+        emu = [e.to(d.dtype).double() if d.dtype in (torch.bfloat16, torch.float16) else e
+               for e, d in zip((member.get(n) or {}).get(k) or [], dev)]  # held as the device held it
+        m = [_max_rel(emu, ref)] if len(emu) == len(ref) else []
+        floor = torch.finfo(dev[0].dtype).eps / 8  # a quarter of the unit roundoff (eps / 2) of the device's format
+        rows.append({"module": f"{n}:{k}", "input_of": n, "key": k, "calls": 1, "order": mods[n].get("order"),
+                     "nonfinite": {"in": 0, "out": _nonfinite(dev), "gout": 0, "gin": 0, "param": 0},
+                     "truth_nonfinite": {"out": _nonfinite(ref), "gin": 0, "param": 0},
+                     "fwd": _max_rel(dev, ref), "expected_fwd": max([*m, floor]), "members_fwd": m, "floor": floor,
+                     "metric": "max_rel"})  # fmt: skip
+    return rows
 
 
 def replay_local(
@@ -280,9 +401,11 @@ def replay_local(
     if rows is None:  # a rank > 0: its rows went to rank 0
         distributed.finish()
         return Path(out)
-    inh = _inherited(cap, names)
+    kw: dict[str, dict[str, list[torch.Tensor]]] = {}
+    inh = _inherited(cap, names, kw)
     for r in rows:
         r["inherited"] = inh.get(r["module"])
+    rows += input_rows(cap, names, kw, emulate)
     with BundleWriter(out, "local", overwrite=overwrite) as w:
         w.manifest.update(
             source={"path": path, "precision": precision}, precision=precision, emulated=emulate, members=members,

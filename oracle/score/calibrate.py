@@ -103,3 +103,15 @@ def threshold(units: Iterable[tuple[list[float], float]], *, margin: float | Non
     return {"value": value, "rule": "calibrated", "n": n, "sigma": sigma, "z": z, "max_loo": top, "alpha": alpha,
             "stat": stat, "fidelity": fidelity, "members_apart": apart,
             "text": f"{value:.2f}x the band = {why}; {n} units, family-wise false alarm <= {alpha:.1%}"}  # fmt: skip
+
+
+def direction_threshold(thr: dict[str, Any], fidelity: float = FIDELITY) -> float:
+    """Where a unit already called (beyond ``thr``) reads as the forward's fault: its forward output's
+    ratio above exp(sigma z(1 - alpha)) -- one unit's honest quantile, no Bonferroni: only the called
+    units are asked, and a backward fault leaves their forward output honest -- and above ``fidelity``,
+    the emulation's own error end to end (honest real modules measured at <= 1.93x locally, module
+    docstring). Never above T itself; a margin or the fixed rule: T (no null to read it from)."""
+    if thr.get("rule") != "calibrated":
+        return float(thr["value"])
+    one = math.exp(thr["sigma"] * NormalDist().inv_cdf(1 - thr["alpha"]))
+    return min(float(thr["value"]), max(one, fidelity))

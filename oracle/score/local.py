@@ -15,6 +15,12 @@ grad_inputs or parameter gradients hold NaN/Inf while its grad_outputs (and outp
 where they are born in the backward. Such a module is a culprit (class ``non_finite``, ratio inf).
 Modules that only pass on inherited NaN/Inf are not judged (their ratios are None).
 
+Direction: a module beyond T is at fault in its forward when its forward output's ratio alone exceeds
+the direction threshold (``calibrate.direction_threshold``: one unit's honest quantile, no Bonferroni,
+at least the end-to-end fidelity 2.0x), else in its backward: a backward fault leaves the recorded
+forward output honest, so the choice between the two needs no family-wise correction. A pseudo-module
+``M:key`` (an input made outside the recorded modules, replay/local.py) is always forward.
+
 Culprits: modules beyond the margin; a module containing a culprit submodule yields to it (the
 error is born inside the child). Order: non-finite births first -- forward births in forward order,
 then backward births in backward order (the first the backward reaches first) -- then the others
@@ -72,7 +78,8 @@ def score_local(
     thr = calibrate.threshold([(r.get(f"members_{k}") or [], tol["floor"]) for r in raw for k in KEYS if r.get(k) is not None],
                               margin=margin, fidelity=calibrate.LOCAL_FIDELITY)  # fmt: skip
     margin = thr["value"]
-    rows = [_score_row(dict(r), tol["floor"], margin) for r in raw]
+    thr["direction"] = calibrate.direction_threshold(thr)
+    rows = [_score_row(dict(r), tol["floor"], margin, thr["direction"]) for r in raw]
     beyond = [r for r in rows if r["beyond"]]
     names = {r["module"] for r in beyond}
     culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
@@ -84,14 +91,15 @@ def score_local(
     }  # fmt: skip
 
 
-def _score_row(r: dict[str, Any], floor: float, margin: float) -> dict[str, Any]:
+def _score_row(r: dict[str, Any], floor: float, margin: float, direction_t: float | None = None) -> dict[str, Any]:
+    direction_t = margin if direction_t is None else direction_t
     born = born_nonfinite(r)
     for k in KEYS:
         v = r.get(k)
         if v is None or not math.isfinite(v):
             r[f"ratio_{k}"] = None
             continue
-        exp = max(r.get(f"expected_{k}") or 0.0, floor)
+        exp = max(r.get(f"expected_{k}") or 0.0, r.get("floor", floor))  # an input row's own: its format's rounding
         r[f"expected_{k}"] = exp
         r[f"ratio_{k}"] = v / exp
     ratios = [r[f"ratio_{k}"] for k in KEYS if r[f"ratio_{k}"] is not None]
@@ -101,7 +109,9 @@ def _score_row(r: dict[str, Any], floor: float, margin: float) -> dict[str, Any]
         return r
     r["ratio"] = max(ratios) if ratios else 0.0
     r["beyond"] = r["ratio"] > margin
-    fwd_beyond = (r["ratio_fwd"] or 0.0) > margin
+    # once a module is beyond, its direction is a choice between two: a backward fault leaves the forward
+    # output honest, so the forward is at fault when that one unit is out of the honest range (direction_t)
+    fwd_beyond = r["beyond"] and (bool(r.get("input_of")) or (r["ratio_fwd"] or 0.0) > direction_t)
     r["direction"] = ("forward" if fwd_beyond else "backward") if r["beyond"] else None
     # what the verdict quotes: the forward output's ratio where the error is born in the forward (the
     # gradients then inherit it), else the worse of the input gradients' and the parameter gradients'
@@ -128,6 +138,10 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
         if c["born_nonfinite"]:
             text = (f"culprit: {c['module']} ({c['direction']}): non-finite values are born in its {where} "
                     f"from finite {'inputs' if c['direction'] == 'forward' else 'grad_outputs'}")  # fmt: skip
+        elif c.get("input_of"):
+            text = (f"culprit: {c['module']} (forward): the {c['key']} {c['input_of']} received are {c['ratio_fwd']:.1f}x "
+                    f"the error an honest {emulated} run makes in them, against the float64 replay's from the step's own "
+                    "inputs: made wrong before it, outside the recorded modules (what computes them from the positions)")  # fmt: skip
         else:
             what = {"fwd": "forward output", "bwd": "input gradients", "param": "parameter gradients"}.get(c.get("worst"), where)
             ratio = c.get(f"ratio_{c.get('worst')}") or c["ratio"]

@@ -1,6 +1,7 @@
 """Teacher-forced local replay names the module where a planted error is born."""
 
 import pytest
+import torch
 from faults import lowp_norm_backward, scale_grad
 from typer.testing import CliRunner
 
@@ -36,7 +37,29 @@ def local_of(source, sample, tmp_path_factory):
     return run
 
 
+def mix_rotary_sections(path: str, s: float):
+    """A forward fault outside every recorded module: the rotary at ``path`` gets its height and width
+    position rows mixed for the tokens where they differ (image tokens), h' = h + s (w - h), w' = w + s (h - w)."""
+
+    def pre(module, args, kwargs):
+        pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        h, w = pos[-2].to(torch.float64), pos[-1].to(torch.float64)
+        mixed = pos.to(torch.float64).clone()
+        mixed[-2], mixed[-1] = h + s * (w - h), w + s * (h - w)
+        mixed = mixed.to(pos.dtype) if s == 1 else mixed
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": mixed}
+        return (args[0], mixed, *args[2:]), kwargs
+
+    def instrument(model):
+        model.get_submodule(path).register_forward_pre_hook(pre, with_kwargs=True)
+
+    return instrument
+
+
 PLANTS = [
+    ("fwd-rotary-sections", mix_rotary_sections("model.language_model.rotary_emb", 1.0),
+     "model.language_model.layers.0:position_embeddings", "forward"),
     ("fwd-mlp-small", scale_output("model.language_model.layers.2.mlp", 1.003), "model.language_model.layers.2.mlp", "forward"),
     (
         "bwd-attn-qproj",
@@ -61,6 +84,9 @@ def test_planted_module_is_ranked_first_with_its_direction(local_of, oracle_bund
     cap, res = local_of(name, "fp32", instrument)
     assert res["culprits"][0] == module, res["verdict"]["text"]
     assert res["verdict"]["direction"] == direction
+    if name == "fwd-rotary-sections":  # teacher-forced with the device's own tables, the layers stay honest
+        assert not any(n.startswith("model.language_model.layers.") and ":" not in n for n in res["culprits"]), res["culprits"]
+        assert "made wrong before it" in res["verdict"]["text"]
     if name == "fwd-mlp-small":  # the loss moved, but by far less than 1 %
         moved = abs(Bundle(cap).get("loss")["value"] / Bundle(oracle_bundle).get("captured_loss")["value"] - 1)
         assert 0 < moved < 0.01
@@ -73,6 +99,10 @@ def test_honest_captures_rank_no_module_beyond_its_band(local_of, precision):
     kinds = {r["module"] for r in res["modules"]}
     assert {"loss", "lm_head", "model.visual.merger", "model.visual.blocks.0",
             "model.language_model.layers.0.self_attn", "model.visual.deepstack_merger_list.1"} <= kinds  # fmt: skip
+    # the rotary tables are checked once where they enter (the text's and the ViT's), honest here
+    inputs = {r["module"]: r for r in res["modules"] if r.get("input_of")}
+    assert set(inputs) == {"model.language_model.layers.0:position_embeddings", "model.visual.blocks.0:position_embeddings"}, inputs
+    assert all(r["ratio"] <= res["threshold"]["direction"] for r in inputs.values()), inputs
     row = next(r for r in res["modules"] if r["module"] == "model.language_model.layers.3")
     assert row["inherited"] > 0 and row["fwd"] is not None and row["bwd"] is not None and row["param"] is not None
     if precision == "amp-bf16":

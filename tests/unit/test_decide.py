@@ -239,3 +239,25 @@ def test_a_fault_diluted_in_a_replayed_layers_pooled_gradients_is_not_called_a_h
     local["B"]["modules"] = [m for m in local["B"]["modules"] if m["module"] != lay]
     _, _, a3, a4, _ = _judge([_capture("B", seed=5, plant=(f"{lay}.mlp.gate_proj.weight", 5.0))], local=local, runs=runs)
     assert "hand-off" in a3["per_run"][0]["evidence"] and a4["per_run"][0]["short"].startswith("module boundaries recorded")
+
+
+def test_a_called_module_reads_as_forward_when_its_forward_output_alone_is_out_of_the_honest_range():
+    """The direction of a module already beyond T is a choice between two (a backward fault leaves the
+    forward output honest): its forward output beyond one unit's honest quantile (at least the fidelity
+    2.0x) reads as forward, even below the family-wise T; an honest-looking forward output reads as backward."""
+    from oracle.score import calibrate
+    from oracle.score.local import _score_row
+
+    thr = calibrate.threshold([([1.0, 1.2], 1e-9), ([0.9, 1.0], 1e-9)] * 50, fidelity=calibrate.LOCAL_FIDELITY)
+    t_dir = calibrate.direction_threshold(thr)
+    assert thr["value"] == calibrate.LOCAL_FIDELITY and t_dir == calibrate.FIDELITY < thr["value"]
+    row = {"module": "m", "order": 0, "param": 9e-3, "expected_param": 1e-3, "bwd": 1e-3, "expected_bwd": 1e-3,
+           "expected_fwd": 1e-3}  # fmt: skip
+    # the layer-3 MLP scaled by 1.1 in the forward: its forward output 2.49x against T 2.50x
+    assert _score_row({**row, "fwd": 2.49e-3}, 1e-9, thr["value"], t_dir)["direction"] == "forward"
+    assert _score_row({**row, "fwd": 2.49e-3}, 1e-9, thr["value"])["direction"] == "backward"  # the old rule: T
+    assert _score_row({**row, "fwd": 1.5e-3}, 1e-9, thr["value"], t_dir)["direction"] == "backward"
+    assert _score_row({**row, "param": 1e-3, "fwd": 2.49e-3}, 1e-9, thr["value"], t_dir)["direction"] is None  # not called
+    wide = calibrate.threshold([([1.0, 3.0], 1e-9), ([3.0, 1.0], 1e-9)] * 50, fidelity=calibrate.LOCAL_FIDELITY)
+    assert calibrate.FIDELITY < calibrate.direction_threshold(wide) < wide["value"]  # a wide null: its own quantile
+    assert calibrate.direction_threshold(calibrate.threshold([], margin=4.0)) == 4.0  # --margin: no null, T itself
