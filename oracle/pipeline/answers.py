@@ -213,7 +213,13 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
         at_loss_end = on["layer"] == layers[0]["name"]
         below = layers[1] if len(layers) > 1 else None  # the next layer along the backward
         confined = None
-        if lc and lc["beyond"]:
+        entry = (lv or {}).get("entry") or {}
+        if entry.get("beyond") and not holder(module, local.get(name)):
+            # the onset lies outside the recorded modules and what they receive from before them is wrong in the forward
+            direction = "forward"
+            why = (f"the hidden states entering {entry['module']}, the first recorded module, are {entry['ratio']:.1f}x their "
+                   f"band against the float64 replay's (local replay): a forward error made before it")  # fmt: skip
+        elif lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
         elif lc and at_loss_end and below is not None and below["class"] == "within_noise":
             # a wrong forward at the loss end (the logits) or a wrong input gradient there moves every gradient
@@ -238,7 +244,7 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
             evidence += (f"; {held['module']} was replayed alone and stays below its local threshold ({held['text']}): "
                          f"there its parameter gradients are one pooled unit, in which {on['param']} is diluted, so the "
                          "end-to-end onset places it")  # fmt: skip
-        elif lv:
+        elif lv and not entry.get("beyond"):
             evidence += (f"; the local replay names no culprit ({lv['text']}): the error is made between recorded modules "
                          "(a hand-off), which only the end-to-end onset places")  # fmt: skip
         rows.append({"run": name, "module": module, "direction": direction, "source": "end to end", "evidence": evidence,

@@ -40,7 +40,8 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
-RULE = "calibrated-2"  # the threshold's rule (score/calibrate.py): a score stage of another rule is redone
+RULE = "calibrated-3"  # the threshold's rule (score/calibrate.py, its direction threshold): a score stage of another rule is redone
+LOCAL_ROWS = "inputs-1"  # what a local replay's rows hold (replay/local.py: input and entry rows): a local stage of another is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7
 
@@ -540,7 +541,7 @@ class Judge:
         for c, cp, n in zip(caps, caps_p, self.names):
             if not c.get("modules"):
                 continue
-            lb = st.bundle(f"local-{n}", f"replay {n}'s recorded modules alone", {"members": self.members, "nproc": self.nproc},
+            lb = st.bundle(f"local-{n}", f"replay {n}'s recorded modules alone", {"members": self.members, "nproc": self.nproc, "rows": LOCAL_ROWS},
                            [cp], lambda out, ow, cp=cp: self._local(cp, out, ow))  # fmt: skip
             from ..score.local import score_local
 

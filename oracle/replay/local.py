@@ -35,6 +35,10 @@ confined to a few tokens (the image tokens' rotary rows) is diluted in an L2 rat
 One row per distinct value: the same tables handed to every layer are checked where they first enter
 (the earliest recorded module, or its outermost recorded ancestor, that received that value bitwise).
 A wrong value there is a forward error born before M, in whatever computed it from the positions.
+The entry row ``E:hidden_states`` (``entry: true``): the hidden states the first recorded module E
+receives, made by the unrecorded modules before it (embeddings, a vision tower, its merger), rel L2
+against the float64 replay's, the emulated replay's as the band. It is evidence, not a culprit
+(score/local.py): a fault before E seen end to end is a forward one when this row is beyond T.
 
 Each row also counts the NaN/Inf in the device's boundary tensors of M (``nonfinite``: in, out,
 gout, gin, param) and in the float64 results (``truth_nonfinite``), and M's place in the forward
@@ -246,7 +250,7 @@ def _inherited(cap: Bundle, names: list[str], kw: dict | None = None) -> dict[st
         recorders.append(ModuleRecorder(model, real))
         recorders[-1].__enter__()
         if kw is not None:
-            hooks.extend(_kw_inputs(model, real, kw))
+            hooks.extend(_kw_inputs(model, real, kw, entry=entry_of(cap, real)))
 
     try:
         run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
@@ -271,10 +275,14 @@ class _Enough(Exception):
     """Raised by the emulated replay once every recorded module's inputs are in: the rest is not needed."""
 
 
+ENTRY = "hidden_states"  # the key of the entry row: what the first recorded module receives from before it
+
+
 def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[str, list[torch.Tensor]]],
-               stop: str | None = None) -> list:  # fmt: skip
-    """Forward pre-hooks keeping each module's gradient-free floating keyword inputs (first call), by key;
-    ``stop``: the module whose inputs are the last needed (raises ``_Enough`` after keeping them)."""
+               stop: str | None = None, entry: str | None = None) -> list:  # fmt: skip
+    """Forward pre-hooks keeping each module's gradient-free floating keyword inputs (first call), by key,
+    and ``entry``'s gradient-carrying positional ones as ``ENTRY``; ``stop``: the module whose inputs are
+    the last needed (raises ``_Enough`` after keeping them)."""
     hooks = []
     for n in names:
         def hook(module, args, kwargs, n=n):
@@ -284,6 +292,10 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
                     leaves, _ = tree_flatten(v)
                     if leaves and all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad for t in leaves):
                         store[n][k] = [t.detach().to("cpu", copy=True) for t in leaves]
+                if n == entry:
+                    flat, _ = tree_flatten(args)
+                    store[n][ENTRY] = [t.detach().to("cpu", copy=True) for t in flat
+                                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]  # fmt: skip
             if n == stop:
                 raise _Enough
             return None
@@ -309,11 +321,34 @@ def _device_kw_inputs(cap: Bundle, name: str) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def _device_entry(cap: Bundle, name: str) -> list[torch.Tensor]:
+    """The device's recorded gradient-carrying positional inputs of ``name`` (its hidden states)."""
+    meta, group = cap.manifest["modules"][name], group_name(name)
+    spec = treespec_loads(meta["in_spec"])
+    args_idx, _ = tree_unflatten(list(range(spec.num_leaves)), spec)
+    idx, _ = tree_flatten(args_idx)
+    grad_in, stored = set(meta.get("grad_in", [])), set(cap.names(group))
+    return [cap.load(group, f"in.{i}") for i in idx if isinstance(i, int) and i in grad_in and f"in.{i}" in stored]
+
+
+def entry_of(cap: Bundle, names: list[str]) -> str | None:
+    """The first recorded module in the forward (of ``names``): what it receives comes from unrecorded modules."""
+    mods = cap.manifest["modules"]
+    real = [n for n in names if n in mods and mods[n].get("order") is not None]
+    return min(real, key=lambda n: mods[n]["order"]) if real else None
+
+
 def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[torch.Tensor]]], emulate: str) -> list[dict[str, Any]]:
     """The pseudo-modules ``M:key`` of the module docstring; ``truth``: the float64 replay's kept inputs."""
     mods = cap.manifest["modules"]
     seen: list[tuple[str, str, list[torch.Tensor]]] = []  # (module, key, device value) checked already
     rows = []
+    entry = entry_of(cap, names)
+    if entry is not None:
+        dev = _device_entry(cap, entry)
+        ref = (truth.get(entry) or {}).get(ENTRY) or []
+        if dev and len(dev) == len(ref) and all(a.shape == b.shape for a, b in zip(dev, ref)):
+            seen.append((entry, ENTRY, dev))
     for n in sorted((n for n in names if n in mods), key=lambda n: mods[n].get("order", 0)):
         for k, dev in _device_kw_inputs(cap, n).items():
             ref = (truth.get(n) or {}).get(k)
@@ -334,7 +369,7 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     hooks: list = []
 
     def instrument(model):
-        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last))
+        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entry=entry))
 
     try:
         run_step(cap, emulate, instrument=instrument)
@@ -347,13 +382,14 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
         ref = truth[n][k]
         emu = [e.to(d.dtype).double() if d.dtype in (torch.bfloat16, torch.float16) else e
                for e, d in zip((member.get(n) or {}).get(k) or [], dev)]  # held as the device held it
-        m = [_max_rel(emu, ref)] if len(emu) == len(ref) else []
+        metric = _rel if k == ENTRY else _max_rel  # the hidden states are sums: rel L2, as every module's rows
+        m = [metric(emu, ref)] if len(emu) == len(ref) else []
         floor = torch.finfo(dev[0].dtype).eps / 8  # a quarter of the unit roundoff (eps / 2) of the device's format
         rows.append({"module": f"{n}:{k}", "input_of": n, "key": k, "calls": 1, "order": mods[n].get("order"),
                      "nonfinite": {"in": 0, "out": _nonfinite(dev), "gout": 0, "gin": 0, "param": 0},
                      "truth_nonfinite": {"out": _nonfinite(ref), "gin": 0, "param": 0},
-                     "fwd": _max_rel(dev, ref), "expected_fwd": max([*m, floor]), "members_fwd": m, "floor": floor,
-                     "metric": "max_rel"})  # fmt: skip
+                     "fwd": metric(dev, ref), "expected_fwd": max([*m, floor]), "members_fwd": m, "floor": floor,
+                     "metric": "rel_l2" if k == ENTRY else "max_rel", "entry": k == ENTRY})  # fmt: skip
     return rows
 
 

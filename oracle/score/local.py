@@ -80,7 +80,7 @@ def score_local(
     margin = thr["value"]
     thr["direction"] = calibrate.direction_threshold(thr)
     rows = [_score_row(dict(r), tol["floor"], margin, thr["direction"]) for r in raw]
-    beyond = [r for r in rows if r["beyond"]]
+    beyond = [r for r in rows if r["beyond"] and not r.get("entry")]  # the entry row is evidence (replay/local.py)
     names = {r["module"] for r in beyond}
     culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
     culprits.sort(key=_culprit_key)
@@ -112,6 +112,9 @@ def _score_row(r: dict[str, Any], floor: float, margin: float, direction_t: floa
     # once a module is beyond, its direction is a choice between two: a backward fault leaves the forward
     # output honest, so the forward is at fault when that one unit is out of the honest range (direction_t)
     fwd_beyond = r["beyond"] and (bool(r.get("input_of")) or (r["ratio_fwd"] or 0.0) > direction_t)
+    if r.get("entry"):
+        r["class"], r["direction"], r["worst"] = (BEYOND if r["beyond"] else WITHIN), ("forward" if r["beyond"] else None), "fwd"
+        return r
     r["direction"] = ("forward" if fwd_beyond else "backward") if r["beyond"] else None
     # what the verdict quotes: the forward output's ratio where the error is born in the forward (the
     # gradients then inherit it), else the worse of the input gradients' and the parameter gradients'
@@ -149,9 +152,15 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
                     f"{ratio:.1f}x the error an honest {emulated} run makes in this module alone")  # fmt: skip
         text += f" ({len(culprits)} module(s) beyond the band)"
     else:
-        worst = max(rows, key=lambda r: r["ratio"]) if rows else None
+        mods = [r for r in rows if not r.get("entry")]
+        worst = max(mods, key=lambda r: r["ratio"]) if mods else None
         text = "no module beyond its expected local error" + (
             f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else ""
         )
+    entry = next((r for r in rows if r.get("entry")), None)
+    if entry and entry["beyond"]:
+        text += (f"; the hidden states entering {entry['input_of']} (the first recorded module) are {entry['ratio']:.1f}x "
+                 "their band against the float64 replay's: a forward error made before the recorded modules")  # fmt: skip
     c = culprits[0] if culprits else None
-    return {"culprit": c and c["module"], "direction": c and c["direction"], "class": c and c["class"], "text": text}
+    return {"entry": entry and {"module": entry["input_of"], "ratio": entry["ratio"], "beyond": entry["beyond"]},
+            "culprit": c and c["module"], "direction": c and c["direction"], "class": c and c["class"], "text": text}

@@ -114,7 +114,7 @@ def test_parallel_workers_agree_with_one_process(local_of, tmp_path):
     a = Bundle(replay_local(cap, tmp_path / "one", modules=r"layers\.3\.mlp$|merger$", workers=1)).get("local")
     b = Bundle(replay_local(cap, tmp_path / "two", modules=r"layers\.3\.mlp$|merger$", workers=2)).get("local")
     assert [r["module"] for r in a] == [r["module"] for r in b]
-    assert all(x["fwd"] == y["fwd"] and x["bwd"] == y["bwd"] for x, y in zip(a, b))
+    assert all(x["fwd"] == y["fwd"] and x.get("bwd") == y.get("bwd") for x, y in zip(a, b))
 
 
 def test_module_capture_cli_budget_and_local_score(tmp_path):
@@ -156,3 +156,18 @@ def test_the_verdict_names_the_quantity_beyond_the_band():
     assert r["direction"] == "backward" and "its parameter gradients are 10000.0x" in text, text
     r = _score_row({**row, "fwd": 1e-4}, 1e-9, 3.0)
     assert r["direction"] == "forward" and "its forward output is 1000.0x" in _verdict([r], [r], "fp32")["text"]
+
+
+@pytest.mark.parametrize("plant,beyond", [("fwd", True), ("bwd", False), (None, False)], ids=["fwd", "bwd", "honest"])
+def test_what_enters_the_first_recorded_module_tells_a_forward_fault_before_it(source, sample, tmp_path, plant, beyond):
+    """Decoder layers alone recorded: a merger scaled by 1.1 in its forward makes the hidden states entering
+    layer 0 wrong (the entry row beyond its band, evidence and never a culprit: no recorded module made it);
+    the same scale in its backward, or none, leaves them honest."""
+    inst = {"fwd": scale_output("model.visual.merger", 1.1), "bwd": scale_grad("model.visual.merger.linear_fc2", 1.1)}.get(plant)
+    cap = capture_recipe_step(source, sample, str(tmp_path / "c"), precision="amp-bf16", instrument=inst, modules="layers")
+    res = score_local(Bundle(replay_local(cap, tmp_path / "l")))
+    entry = res["verdict"]["entry"]
+    assert entry["module"] == "model.language_model.layers.0" and entry["beyond"] is beyond, res["verdict"]
+    assert res["culprits"] == [] and ("a forward error made before the recorded modules" in res["verdict"]["text"]) is beyond
+    if not beyond:
+        assert entry["ratio"] < 1.5, entry  # an emulated member of the same precision: the honest ratio sits near 1

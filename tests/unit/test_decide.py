@@ -261,3 +261,27 @@ def test_a_called_module_reads_as_forward_when_its_forward_output_alone_is_out_o
     wide = calibrate.threshold([([1.0, 3.0], 1e-9), ([3.0, 1.0], 1e-9)] * 50, fidelity=calibrate.LOCAL_FIDELITY)
     assert calibrate.FIDELITY < calibrate.direction_threshold(wide) < wide["value"]  # a wide null: its own quantile
     assert calibrate.direction_threshold(calibrate.threshold([], margin=4.0)) == 4.0  # --margin: no null, T itself
+
+
+def test_an_onset_before_the_recorded_modules_is_forward_when_what_enters_them_is_wrong():
+    """End to end the onset is in a module no local replay holds (a vision merger before the recorded decoder
+    layers); the hidden states entering the first recorded module, against the float64 replay's, tell the
+    direction: beyond their band, forward (the loss agreeing says nothing there); within, backward as before."""
+    lay = "model.layers.0"
+
+    def local(ratio):
+        return {"B": {"culprits": [], "threshold": {"value": 2.5},
+                      "modules": [{"module": f"model.layers.{i}", "ratio": 0.8, "direction": None, "class": "within_noise"}
+                                  for i in (1, 2, 3)],
+                      "verdict": {"culprit": None, "direction": None, "text": "no module beyond",
+                                  "entry": {"module": "model.layers.1", "ratio": ratio, "beyond": ratio > 2.5}}}}  # fmt: skip
+
+    runs = [{"name": "B", "num_tokens": 2435, "modules": True}]
+    cap = _capture("B", seed=5, plant=(f"{lay}.mlp.gate_proj.weight", 8.0))
+    d, _, a3, _, head = _judge([cap], local=local(18.4), runs=runs)
+    row = a3["per_run"][0]
+    assert d["faulty"] == ["B"] and row["module"] == f"{lay}.mlp" and row["direction"] == "forward", row
+    assert "entering model.layers.1" in row["evidence"] and "hand-off" not in row["evidence"], row["evidence"]
+    assert "(forward" in head, head
+    _, _, a3, _, _ = _judge([cap], local=local(1.1), runs=runs)
+    assert a3["per_run"][0]["direction"] == "backward", a3["per_run"][0]
