@@ -26,7 +26,10 @@ wrong. It is checked on its own as a pseudo-module ``M:key`` (forward only):
     fwd      = max_i |d_i| / max_i |t_i|   d = device's value - t, t = the value M receives in the
                end-to-end float64 replay (all of the key's tensors jointly)
     members  = the same from an emulated end-to-end replay of the capture's precision (stopped before
-               the last recorded module), rounded to the format the device held the value in
+               the last recorded module), rounded to the format the device held the value in; for a
+               merged Megatron capture the amp emulation (float32 where the model code asks for it): the
+               merge made its tables from the angles the ranks computed in float32, which the pure-bf16
+               emulation would round to bf16 (16x the device's honest error on the packed step)
     floor    = a quarter of the unit roundoff of that format (a member that rounds nothing)
 Elementwise, not rel L2: such a value is computed element by element from the positions (no sum), so
 each element's honest error is its format's rounding (plus the float32 angle's), and a wrong value
@@ -371,8 +374,13 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     def instrument(model):
         hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entry=entry))
 
+    # a merged Megatron capture's tables were made by the merge from the angles the ranks computed in float32
+    # (integrations/megatron/boundaries.py): its honest member keeps float32 where the model code asks for it
+    # (the amp emulation: the rotary's .float() angles), not the pure-bf16 emulation's bf16 angles (measured on
+    # the packed step, both paths: device 0.0019, pure-bf16 member 0.031, amp member 0.0019 max-rel)
+    member_dtype = {"bf16": "amp-bf16", "fp16": "amp-fp16"}.get(emulate, emulate) if cap.get("megatron") else emulate
     try:
-        run_step(cap, emulate, instrument=instrument)
+        run_step(cap, member_dtype, instrument=instrument)
     except _Enough:
         pass
     finally:
