@@ -297,6 +297,9 @@ def _accumulated(n: int) -> tuple[str, str]:
             "that stays is placed by the local replay and explain")  # fmt: skip
 
 
+_LAYER_NAME = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+
+
 def _sub_modules(module: str) -> str:
     """A module-selection regex (searched in the model chunk's mcore names) for ``module``'s children:
     ``model.language_model.layers.3`` -> ``decoder\\.layers\\.3\\..*``; another module, its name
@@ -471,7 +474,19 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
                          "text": f"undetermined: {why}; to settle it, {settle}"})  # fmt: skip
             continue
         if recorded.get(b["run"]):
-            why = "module boundaries were recorded but none could be replayed locally for this module"
+            why = "module boundaries were recorded but none holds this module, so no local replay places it"
+            megatron = next((r.get("megatron") for r in runs or [] if r["name"] == b["run"]), False)
+            if megatron and not _LAYER_NAME.search(b["module"]):  # the advice already taken must not come back
+                settle = (f"nothing more from this capture's framework: the Megatron merge maps decoder layers and their "
+                          f"sub-modules only, so {b['module']} stays placed end to end (within the modules before the "
+                          "first recorded layer); to go further, capture the sample with `oracle capture --modules` on the same "
+                          "device (transformers' model: it reproduces a fault of the device's kernels, not of the "
+                          "framework)")  # fmt: skip
+            else:
+                sel = re.escape(b["module"].removeprefix("model.")) + "$"
+                settle = (f"record a selection that holds {b['module']} (ORACLE_CAPTURE_MODULES='{sel}' "
+                          f"or a regex naming it, beside ORACLE_CAPTURE; `oracle capture --modules`) so that the local replay "
+                          "places it")  # fmt: skip
         elif p is None or p.get("cosine") is None:
             why = "no module boundaries were captured (explain needs them)"
         else:

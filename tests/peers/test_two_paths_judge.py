@@ -155,6 +155,13 @@ def test_honest_packed_bf16_runs_of_the_two_paths_are_both_honest(packed_judged)
     doc, out = packed_judged("")
     a = doc["answers"]
     assert a["noise"]["faulty"] == [] and all(r["honest"] for r in a["noise"]["per_run"]), doc["headline"]
+    # what the decoder receives from outside the recorded layers (the rotary tables the merge made from the
+    # ranks' float32 angles; the hidden states from the embeddings and the vision tower) sits at its band
+    for run in ("H20", "910B"):
+        rows = {r["module"]: r for r in doc["local"][run]["modules"] if r.get("input_of")}
+        assert set(rows) == {"model.language_model.layers.0:position_embeddings",
+                             "model.language_model.layers.0:hidden_states"}, (run, sorted(rows))  # fmt: skip
+        assert all(0.5 < r["ratio"] < 1.5 for r in rows.values()), (run, {k: r["ratio"] for k, r in rows.items()})
     assert doc["headline"].startswith("answer: both runs are honest noise of their own precision; no device bug")
     fw = a["framework"]
     assert fw["only"] == {"H20": [], "910B": []} and len(fw["shared"]) == 39

@@ -285,3 +285,27 @@ def test_an_onset_before_the_recorded_modules_is_forward_when_what_enters_them_i
     assert "(forward" in head, head
     _, _, a3, _, _ = _judge([cap], local=local(1.1), runs=runs)
     assert a3["per_run"][0]["direction"] == "backward", a3["per_run"][0]
+
+
+def test_an_onset_outside_the_recorded_layers_of_a_megatron_run_never_gets_the_capture_already_made():
+    """A merged Megatron run recorded with ORACLE_CAPTURE_MODULES=layers, its onset in the vision merger (no
+    recorded module holds it, the merge maps decoder layers only): answer 4 is undetermined and says the
+    capture cannot place it further, never "capture with ORACLE_CAPTURE_MODULES=layers" again; a transformers
+    capture gets the selection that holds the module."""
+    cap = _capture("B", seed=5, plant=("model.layers.0.mlp.gate_proj.weight", 8.0))
+    ren = lambda n: n.replace("model.layers.0", "model.visual.merger")  # noqa: E731
+    for r in cap["params"]:
+        r["name"], r["layer"] = ren(r["name"]), ren(r["layer"])
+    for r in cap["layers"]:
+        r["name"], r["worst_param"] = ren(r["name"]), ren(r["worst_param"])
+    local = {"B": {"culprits": [], "threshold": {"value": 2.5},
+                   "modules": [{"module": f"model.layers.{i}", "ratio": 0.8, "direction": None, "class": "within_noise"}
+                               for i in (1, 2, 3)],
+                   "verdict": {"culprit": None, "direction": None, "text": "no module beyond",
+                               "entry": {"module": "model.layers.1", "ratio": 9.0, "beyond": True}}}}  # fmt: skip
+    for megatron, says in ((True, "the Megatron merge maps decoder layers"), (False, "ORACLE_CAPTURE_MODULES='visual\\.merger\\.mlp$'")):
+        runs = [{"name": "B", "num_tokens": 2435, "modules": True, "megatron": megatron}]
+        _, _, a3, a4, _ = _judge([cap], local=local, runs=runs)
+        assert a3["per_run"][0]["module"].startswith("model.visual.merger") and a3["per_run"][0]["direction"] == "forward"
+        r = a4["per_run"][0]
+        assert r["class"] is None and says in r["settle"] and "=layers" not in r["settle"], r["settle"]
