@@ -287,6 +287,16 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
     and ``entry``'s gradient-carrying positional ones as ``ENTRY``; ``stop``: the module whose inputs are
     the last needed (raises ``_Enough`` after keeping them)."""
     hooks = []
+    # one copy of a tensor handed to every layer (the rotary tables); the original is held with it, so that
+    # its id cannot be taken by another tensor while the hooks run
+    copies: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        key = (id(t), t.data_ptr(), t._version)
+        if key not in copies:
+            copies[key] = (t, t.detach().to("cpu", copy=True))
+        return copies[key][1]
+
     for n in names:
         def hook(module, args, kwargs, n=n):
             if n not in store:
@@ -294,7 +304,7 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
                 for k, v in kwargs.items():
                     leaves, _ = tree_flatten(v)
                     if leaves and all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad for t in leaves):
-                        store[n][k] = [t.detach().to("cpu", copy=True) for t in leaves]
+                        store[n][k] = [keep(t) for t in leaves]
                 if n == entry:
                     flat, _ = tree_flatten(args)
                     store[n][ENTRY] = [t.detach().to("cpu", copy=True) for t in flat
