@@ -41,6 +41,11 @@ def stored_shapes(bundle) -> tuple[dict[str, list[int]], str]:
 
 def expected_shapes(recipe: Recipe, config: Mapping[str, Any]) -> dict[str, list[int]]:
     """Parameter name -> shape of ``recipe.build(config)``, built on the meta device."""
+    # torch 2.8 cannot import torch._dynamo for the first time under a device context (its import runs ops through
+    # the context's __torch_function__, which reaches torch._dynamo.disable before the module has it: "partially
+    # initialized module"); transformers' model modules import it, so a fresh process built nothing. Import it first.
+    import torch._dynamo  # noqa: F401
+
     try:
         with torch.device("meta"):
             model = recipe.build(dict(config))

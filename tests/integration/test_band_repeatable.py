@@ -11,6 +11,7 @@ elements' logical order, and a spilled tensor comes back bitwise in its dtype an
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -19,6 +20,7 @@ from helpers import invoke
 
 from oracle.precision.mode import PrecisionMode
 from oracle.replay.streaming import driver
+from oracle.replay.streaming.engine import parse_size
 from oracle.replay.streaming.spill import ActivationStore
 
 
@@ -59,11 +61,17 @@ def _comparable(doc):
 
 
 def test_a_streamed_judge_rerun_on_a_loaded_machine_gives_the_same_report(amp_capture, tmp_path, monkeypatch):
-    """`oracle judge A B --max-memory 2G --threads 2`, then its band replayed again where a loaded machine leaves
+    """`oracle judge A B --max-memory M --threads 2`, then its band replayed again where a loaded machine leaves
     the activations no memory (the measured resident set is the whole budget: every activation spilled): the band
-    bitwise, judge.json equal but for timings, judge.txt byte for byte."""
+    bitwise, judge.json equal but for timings, judge.txt byte for byte. M is derived from this process (issue 42):
+    the floor a dry run at 1M names, plus 1 GiB of room (the first run keeps activations in memory)."""
     twin = shutil.copytree(amp_capture, tmp_path / "B")  # the same step in another folder (a folder judged against itself is refused)
-    args = ["judge", amp_capture, twin, "--name", "A", "--name", "B", "--max-memory", "2G", "--threads", "2"]
+    pair = ["judge", amp_capture, twin, "--name", "A", "--name", "B"]
+    dry = invoke(*pair, "--dry-run", "--max-memory", "1M", "--threads", "2", "--out", tmp_path / "dry")
+    floor = re.search(r"raise it to at least ([\d.]+)G", dry.output)
+    assert dry.exit_code == 2 and floor, dry.output
+    budget = f"{float(floor[1]) + 1:.1f}G"
+    args = [*pair, "--max-memory", budget, "--threads", "2"]
     first = invoke(*args, "--out", tmp_path / "j1")
     assert first.exit_code == 0, first.output
     assert first.stdout.startswith("answer: A and B are one capture (byte-identical manifests"), first.stdout[:300]
@@ -73,7 +81,7 @@ def test_a_streamed_judge_rerun_on_a_loaded_machine_gives_the_same_report(amp_ca
     reserve = {}
     need = driver.budgets.need
     monkeypatch.setattr(driver.budgets, "need", lambda *a, **k: reserve.update(need(*a, **k)) or dict(reserve))
-    monkeypatch.setattr(driver, "rss_bytes", lambda: (2 << 30) - reserve["bytes"] - (64 << 10))  # 64 KiB left
+    monkeypatch.setattr(driver, "rss_bytes", lambda: parse_size(budget) - reserve["bytes"] - (64 << 10))  # 64 KiB left
     second = invoke(*args, "--out", tmp_path / "j2")
     assert second.exit_code == 0, second.output
     from oracle.bundle.store import Bundle

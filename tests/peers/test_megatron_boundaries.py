@@ -35,13 +35,21 @@ def runs(tmp_path_factory):
     return out
 
 
+def _within(row) -> bool:
+    """A row within the error an honest fp32 run makes there: a module's below its band; an input made outside the
+    recorded modules (``M:position_embeddings``, elementwise max error) at most at it -- the device's rotary tables
+    and the honest member's are the same fp32 arithmetic, so their largest errors can be the same number (torch
+    2.8's cos/sin: ratio exactly 1.0)."""
+    return row["ratio"] <= 1.0 if row.get("input_of") else row["ratio"] < 1.0
+
+
 @pytest.mark.parametrize("name", ["tp1", "tp2sp", "packed"])
 def test_honest_layers_are_within_their_local_band(runs, name):
     """Every decoder layer mapped (packed: the per-sample mask of the run is the step's), each within
     the error an honest fp32 run makes in it alone; no culprit."""
     cap, s = runs[name]
     assert sorted(Bundle(cap).get("modules")) == LAYERS and Bundle(cap).get("megatron")["boundaries"]["unmapped"] == []
-    assert s["culprits"] == [] and all(r["ratio"] < 1.0 for r in s["modules"]), [(r["module"], r["ratio"]) for r in s["modules"]]
+    assert s["culprits"] == [] and all(map(_within, s["modules"])), [(r["module"], r["ratio"]) for r in s["modules"]]
 
 
 def test_sequence_parallel_shards_concatenate_in_order(runs):
@@ -82,7 +90,7 @@ def test_sub_module_boundaries_merge_and_name_the_mlp_whose_backward_is_wrong(ru
     assert s["culprits"] == ["model.layers.1.mlp"] and s["verdict"]["direction"] == "backward", s["verdict"]
     rows = {r["module"]: r for r in s["modules"]}
     assert rows["model.layers.1.mlp"]["ratio"] > 1000
-    assert all(r["ratio"] < 1.0 for m, r in rows.items() if m != "model.layers.1.mlp"), [(m, r["ratio"]) for m, r in rows.items()]
+    assert all(_within(r) for m, r in rows.items() if m != "model.layers.1.mlp"), [(m, r["ratio"]) for m, r in rows.items()]
 
 
 def test_module_selection_presets_regexes_and_errors():
