@@ -51,7 +51,6 @@ causal calls go to ``fn`` instead (a decoder layer run by row chunks, streaming/
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -371,55 +370,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 
-@functools.cache
-def _fused_gqa_on_cpu() -> bool:
-    """Whether this torch runs a grouped-query sdpa call (``enable_gqa=True``, fewer k/v heads) on CPU as its
-    fused kernel (``_scaled_dot_product_flash_attention_for_cpu``, the op PrecisionMode rounds once). torch 2.8
-    does not: it falls back to the math path (bmm, softmax, bmm), which an emulation then rounds op by op,
-    not as a device's flash attention. Asked of torch's own kernel choice; a torch without that query is
-    newer than the ones that lack it."""
-    q, k = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)
-    try:
-        choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)
-    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover
-        return True
-    return choice != int(torch.nn.attention.SDPBackend.MATH)
-
-
-def _sdpa_kv(module, query, key, value, attention_mask):
-    """``key``, ``value`` as transformers' sdpa is to get them: repeated to the query's heads (transformers'
-    repeat_kv) where it would ask for grouped-query attention and this torch's CPU kernel cannot take it
-    (``_fused_gqa_on_cpu``), so the call stays the one fused op; the values are the same."""
-    from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
-
-    g = query.shape[1] // key.shape[1]
-    if (g > 1 and query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
-            and not _fused_gqa_on_cpu() and use_gqa_in_sdpa(attention_mask, key, value)):  # fmt: skip
-        return repeat_kv(key, g), repeat_kv(value, g)
-    return key, value
-
-
-def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers' "sdpa" with ``_sdpa_kv``: a grouped-query call stays the one fused CPU op on every torch."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    key, value = _sdpa_kv(module, query, key, value, attention_mask)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def keep_sdpa_fused() -> None:
-    """Where this torch's CPU kernel cannot take grouped-query attention (``_fused_gqa_on_cpu``: torch 2.8),
-    transformers' "sdpa" becomes ``sdpa_forward`` (k/v repeated first, as transformers does for kernels that
-    need it), so a recipe's model runs its attention as the fused op on every supported torch: the op
-    PrecisionMode rounds once and explain's ``attention`` class names (was: bmm, softmax, bmm). A torch that
-    takes it keeps transformers' own function. The recipes call it when they build."""
-    if _fused_gqa_on_cpu():
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("sdpa", sdpa_forward)
-
-
 def fused_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
     """``FUSED``: an emulated replay's attention (in memory and streamed). transformers' own sdpa (one
     fused op, which the PrecisionMode rounds at its operands and output only, as a device's flash
@@ -439,7 +389,6 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
         chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
         return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
     cu = _boundaries(query, True, kwargs) if causal and attention_mask is None else None
-    key, value = _sdpa_kv(module, query, key, value, attention_mask)
     if cu is None or len(cu) <= 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
