@@ -317,14 +317,21 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
     return hooks
 
 
+def _recorded_call(cap: Bundle, name: str) -> tuple[Any, dict[str, Any], set[str], set[int]]:
+    """(args, kwargs) of ``name``'s recorded call with each leaf replaced by its index, the stored keys and the
+    indices of the inputs that carried a gradient."""
+    meta = cap.manifest["modules"][name]
+    spec = treespec_loads(meta["in_spec"])
+    args_idx, kw_idx = tree_unflatten(list(range(spec.num_leaves)), spec)
+    return args_idx, kw_idx or {}, set(cap.names(group_name(name))), set(meta.get("grad_in", []))
+
+
 def _device_kw_inputs(cap: Bundle, name: str) -> dict[str, list[torch.Tensor]]:
     """The device's recorded gradient-free floating keyword inputs of ``name``, by key."""
-    meta, group = cap.manifest["modules"][name], group_name(name)
-    spec = treespec_loads(meta["in_spec"])
-    _, kw_idx = tree_unflatten(list(range(spec.num_leaves)), spec)
-    stored, grad_in = set(cap.names(group)), set(meta.get("grad_in", []))
+    group = group_name(name)
+    _, kw_idx, stored, grad_in = _recorded_call(cap, name)
     out = {}
-    for k, v in (kw_idx or {}).items():
+    for k, v in kw_idx.items():
         idx, _ = tree_flatten(v)
         if not idx or any(not isinstance(i, int) or i in grad_in or f"in.{i}" not in stored for i in idx):
             continue
@@ -336,12 +343,9 @@ def _device_kw_inputs(cap: Bundle, name: str) -> dict[str, list[torch.Tensor]]:
 
 def _device_entry(cap: Bundle, name: str) -> list[torch.Tensor]:
     """The device's recorded gradient-carrying positional inputs of ``name`` (its hidden states)."""
-    meta, group = cap.manifest["modules"][name], group_name(name)
-    spec = treespec_loads(meta["in_spec"])
-    args_idx, _ = tree_unflatten(list(range(spec.num_leaves)), spec)
+    args_idx, _, stored, grad_in = _recorded_call(cap, name)
     idx, _ = tree_flatten(args_idx)
-    grad_in, stored = set(meta.get("grad_in", [])), set(cap.names(group))
-    return [cap.load(group, f"in.{i}") for i in idx if isinstance(i, int) and i in grad_in and f"in.{i}" in stored]
+    return [cap.load(group_name(name), f"in.{i}") for i in idx if isinstance(i, int) and i in grad_in and f"in.{i}" in stored]
 
 
 def entry_of(cap: Bundle, names: list[str]) -> str | None:
