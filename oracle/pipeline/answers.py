@@ -36,6 +36,7 @@ from typing import Any
 
 from ..score import bound as bound_mod
 from ..score.calibrate import FIDELITY
+from ..score.local import input_row
 from . import decide as decide_mod
 
 NONFINITE = decide_mod.NONFINITE
@@ -400,8 +401,9 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
         t = margin if margin is not None else float((c.get("threshold") or {}).get("value") or 3.0)
         ex = explained.get(b["run"])
         direction = b.get("direction")
-        if ":" in b["module"]:  # an input made outside the recorded modules (replay/local.py ``input_rows``)
-            owner, key = b["module"].split(":", 1)
+        inp = input_row(b["module"])
+        if inp:  # an input made outside the recorded modules (replay/local.py ``input_rows``)
+            owner, key = inp
             rows.append({"run": b["run"], "class": f"input ({key}, forward)", "share": None, "source": "local replay",
                          "text": f"a wrong input: the {key} {owner} received are not what the step's own inputs give "
                                  f"(the float64 replay computes them from the captured positions): made wrong before "

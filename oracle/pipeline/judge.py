@@ -543,12 +543,12 @@ class Judge:
                 continue
             lb = st.bundle(f"local-{n}", f"replay {n}'s recorded modules alone", {"members": self.members, "nproc": self.nproc, "rows": LOCAL_ROWS},
                            [cp], lambda out, ow, cp=cp: self._local(cp, out, ow))  # fmt: skip
-            from ..score.local import score_local
+            from ..score.local import input_row, score_local
 
             local[n] = st.document(f"local-score-{n}", f"score {n}'s local replay", {"margin": self.margin, "rule": RULE}, [lb],
                                    lambda lb=lb: score_local(lb, margin=self.margin))  # fmt: skip
             culprit = local[n]["verdict"].get("culprit")
-            if culprit and ":" in culprit:  # an input made outside the recorded modules (replay/local.py): no op of it ran
+            if culprit and input_row(culprit):  # an input made outside the recorded modules: no op of it ran
                 progress.skip(f"explain-{n}", f"{culprit} is an input made outside the recorded modules: no op class to rank")
             elif culprit:
                 explained[n] = st.document(f"explain-{n}", f"which op class explains {culprit}", {"module": culprit}, [cp],

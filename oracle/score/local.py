@@ -43,6 +43,13 @@ KEYS = ("fwd", "bwd", "param")
 BEYOND, WITHIN, NONFINITE = "beyond_noise", "within_noise", "non_finite"
 
 
+def input_row(module: str) -> tuple[str, str] | None:
+    """(owner, key) when ``module`` names an input made outside the recorded modules (replay/local.py
+    ``input_rows``: ``M:key``), else None: no op of it ran, so nothing to explain or to capture below it."""
+    owner, sep, key = module.partition(":")
+    return (owner, key) if sep else None
+
+
 def born_nonfinite(r: dict[str, Any]) -> str | None:
     """``forward``/``backward`` if non-finite values are born in this module, else None."""
     nf = r.get("nonfinite") or {}
