@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", nargs="+", choices=["H20", "910B"], help="the planted paths (quick: 910B; full: both)")
     ap.add_argument("--families", nargs="+", help="only these families (scale swiglu attention rotary bf16acc)")
     ap.add_argument("--strengths", nargs="+", type=float, help="only these strengths (of the families that have them)")
+    ap.add_argument("--targets", nargs="+", help="only plants whose target or layer contains one of these (e.g. output_layer, 0)")
     ap.add_argument("--honest", type=int, help="only the first N honest pairs")
     ap.add_argument("--reuse", action="store_true",
                     help="captures already finished in OUT are judged again as they are (the verdict changed, not the step)")
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
         print("detection_power: the pinned environments are not built: " + "; ".join(missing), file=sys.stderr)
         return 2
     plants = [p for p in (QUICK if o.quick else FULL) if not o.families or p[0] in o.families]
+    plants = [p for p in plants if not o.targets or any(t in str(p[1]) for t in o.targets)]
     honest = (QUICK_HONEST if o.quick else FULL_HONEST)[: o.honest]
     paths = o.paths or (["910B"] if o.quick else ["H20", "910B"])
     o.out.mkdir(parents=True, exist_ok=True)

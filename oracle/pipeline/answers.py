@@ -222,6 +222,17 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
                    f"band against the float64 replay's (local replay): a forward error made before it")  # fmt: skip
         elif lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
+        elif lc and at_loss_end and d.get("scale") and lc.get("moved"):
+            # one factor on every gradient and the loss moved (at the direction's level): the logits are scaled
+            direction = "forward"
+            why = (f"{d['scale']['text']}; the loss moved {lc['excess']:.1f}x its band (a fault at the loss end is read "
+                   f"forward above {lc['direction_threshold']:.1f}x): the logits are wrong, not only their gradient")  # fmt: skip
+        elif lc and at_loss_end and d.get("scale"):
+            # one factor on every gradient, the loss right: what enters the backward at the loss end is scaled
+            direction = "backward"
+            why = (f"{d['scale']['text']}; the loss agrees with the truth ({lc['rel']:.2e}, {lc.get('excess', 0):.1f}x "
+                   "its band): the gradient entering the backward at the loss end is scaled (the loss's gradient or "
+                   "the head's backward); scaled logits would move the loss")  # fmt: skip
         elif lc and at_loss_end and below is not None and below["class"] == "within_noise":
             # a wrong forward at the loss end (the logits) or a wrong input gradient there moves every gradient
             # below it; an error that stays in the layer's own weight gradient is made where that is computed

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..bundle.store import Bundle, check_not_input
 from ..errors import BundleError, InputNotFound, OracleError, UsageError, problem_lines
-from ..precision import CAPTURE_NAMES, emulation
+from ..precision import CAPTURE_NAMES, EMULATION, emulation
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
 from ..score.scorer import check_same_step
@@ -40,7 +40,7 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
-RULE = "calibrated-3"  # the threshold's rule (score/calibrate.py, its direction threshold): a score stage of another rule is redone
+RULE = "calibrated-4"  # the threshold's rule (score/calibrate.py, its direction and loss thresholds): a score stage of another rule is redone
 LOCAL_ROWS = "inputs-2"  # what a local replay's rows hold (replay/local.py: input and entry rows): a local stage of another is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7
@@ -521,8 +521,8 @@ class Judge:
         bands = []
         for prec in self.precisions(caps):
             bands.append(st.bundle(f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
-                                   {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc},
-                                   [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
+                                   {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc,
+                                    "emulation": EMULATION}, [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
         views = []
         for i, lay in enumerate(self.layouts):
             from ..integrations.megatron.perrank import project

@@ -32,6 +32,10 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
+# What an emulated run computes, as a version: a judge's band stage made under another is redone.
+# "ce-fp32": the loss's cross-entropy as the device's float32 kernel (replay/headloss.py ``device_ce``).
+EMULATION = "ce-fp32"
+
 
 @dataclass(frozen=True)
 class Precision:

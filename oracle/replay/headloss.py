@@ -38,7 +38,8 @@ per-block products dZ weight[C], dZ^T hidden[R] are written into buffers allocat
 and the elementwise steps run in place: the same ops on the same values in the same order (bitwise
 the same loss and gradients), without a fresh 128 MiB allocation per op, which the kernel faults
 and zeroes 4 KiB at a time (measured on benchmark b's head: ~70 ms of a ~75 ms subtraction).
-Emulated replays keep the out-of-place ops, each rounded by their PrecisionMode.
+Emulated replays keep the out-of-place ops: the logit GEMMs and the gradient GEMMs rounded by their
+PrecisionMode, the cross-entropy's steps between them run as the device's float32 kernel (``device_ce``).
 
 Weight by rows (``RowSource``, the streaming replay): the weight is never whole. ``rows(v0, v1)``
 gives chunk C's rows (read from the capture and upcast where they are needed: once in the forward,
@@ -50,11 +51,14 @@ Qwen3-VL-8B's head in float64).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from ..capture.packing import IGNORE
 from ..errors import RecipeError
+from ..precision.mode import emulating, kernel_io, outside
 from .attention import exact
 
 CHUNK = 4096
@@ -90,6 +94,25 @@ def _rows(weight, v0: int, v1: int) -> torch.Tensor:
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     z = h @ w.T  # (rows, chunk) in the input dtype
     return z.float() if z.dtype in _LOW else z  # the loss convention: low-precision logits upcast to float32
+
+
+@contextlib.contextmanager
+def device_ce():
+    """The cross-entropy's steps as a device runs them in an emulated replay: one fused float32 kernel
+    (Megatron's vocab-parallel cross-entropy and transformers' loss upcast the logits, ``.float()``)
+    that reads the bf16 logits and writes the float32 loss, the softmax's running max, sum and
+    log-sum-exp unrounded inside; its gradient of the logits is written once in the low format
+    (``kernel_io``). Yields the emulating mode (None in the oracle, where this is a no-op). Rounding
+    every step instead (the mode's default) put each row's log-sum-exp a bf16 ulp off (about 1 % of
+    every probability of the row) and the loss itself in bf16: a member's loss 5.6e-4..5.1e-3 from the
+    truth on the tiny Qwen3-VL where honest devices are 4e-6..1.3e-4, so no loss band could be measured
+    from the members (now 4e-6..8e-6: tests/unit/test_score.py)."""
+    mode = emulating()
+    if mode is None:
+        yield None
+        return
+    with outside():
+        yield mode
 
 
 def _exact(hidden: torch.Tensor, weight) -> bool:
@@ -141,7 +164,8 @@ class _HeadLoss(torch.autograd.Function):
                     z = _mm(fast.get("z", r1 - r0, v1 - v0), hidden[r0:r1], w.T)  # (r, c)
                 else:
                     z = _logits(hidden[r0:r1], w)  # (r, c)
-                m_new = torch.maximum(m[r0:r1], z.amax(-1))
+                with device_ce():
+                    m_new = torch.maximum(m[r0:r1], z.amax(-1))
                 if fast is not None:  # the target is read before z is overwritten in place
                     lab = labels[r0:r1]
                     rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
@@ -149,23 +173,27 @@ class _HeadLoss(torch.autograd.Function):
                     s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + z.sub_(m_new.unsqueeze(-1)).exp_().sum(-1)
                     m[r0:r1] = m_new
                     continue
-                # emulated replays: the ops in their order of old (each op's rounding and jitter drawn in turn)
-                s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + torch.exp(z - m_new.unsqueeze(-1)).sum(-1)
-                m[r0:r1] = m_new
-                lab = labels[r0:r1]
-                inside = (lab >= v0) & (lab < v1)  # (r,)
-                rows = inside.nonzero().reshape(-1)
-                target[r0 + rows] = z[rows, lab[rows] - v0]
+                # emulated replays: the logits are the GEMM's result as the mode rounded it (the device's
+                # bf16 logits); the cross-entropy steps are the device's fused float32 kernel (see device_ce)
+                with device_ce():
+                    s[r0:r1] = s[r0:r1] * torch.exp(m[r0:r1] - m_new) + torch.exp(z - m_new.unsqueeze(-1)).sum(-1)
+                    m[r0:r1] = m_new
+                    lab = labels[r0:r1]
+                    inside = (lab >= v0) & (lab < v1)  # (r,)
+                    rows = inside.nonzero().reshape(-1)
+                    target[r0 + rows] = z[rows, lab[rows] - v0]
         if group is not None:  # the shards' running (max, sum) combined exactly as chunks are
             m_all = m.clone()
             dist.all_reduce(m_all, dist.ReduceOp.MAX, group)
-            s = s * torch.exp(m - m_all)
+            with device_ce():
+                s = s * torch.exp(m - m_all)
             dist.all_reduce(s, dist.ReduceOp.SUM, group)
             dist.all_reduce(target, dist.ReduceOp.SUM, group)  # one shard holds each row's target, the others 0
             m = m_all
-        lse = m + torch.log(s)  # (N',)
-        per_row = lse - target
-        loss = (per_row * token_weight).sum() if token_weight is not None else per_row.sum()
+        with device_ce():
+            lse = m + torch.log(s)  # (N',)
+            per_row = lse - target
+            loss = (per_row * token_weight).sum() if token_weight is not None else per_row.sum()
         source = weight if isinstance(weight, RowSource) else None
         ctx.save_for_backward(hidden, None if source else weight, labels, lse, token_weight)
         ctx.args = (chunk, row_chunk, group, source)
@@ -202,11 +230,13 @@ class _HeadLoss(torch.autograd.Function):
                         if gc is not None:
                             gc += dw
                     continue
-                dz = torch.exp(_logits(h, w) - lse[r0:r1].unsqueeze(-1))  # (r, c): softmax probabilities
-                lab = labels[r0:r1]
-                rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
-                dz[rows, lab[rows] - v0] -= 1
-                dz = (dz * scale[r0:r1].unsqueeze(-1)).to(hidden.dtype)
+                z = _logits(h, w)  # the GEMM, rounded by the mode as in the forward
+                with device_ce() as mode:
+                    dz = torch.exp(z - lse[r0:r1].unsqueeze(-1))  # (r, c): softmax probabilities
+                    lab = labels[r0:r1]
+                    rows = ((lab >= v0) & (lab < v1)).nonzero().reshape(-1)
+                    dz[rows, lab[rows] - v0] -= 1
+                    dz = kernel_io(mode, (dz * scale[r0:r1].unsqueeze(-1)).to(hidden.dtype))  # written once, low
                 if gh is not None:
                     gh[r0:r1] += dz @ w
                 if gw is not None:
@@ -266,7 +296,8 @@ def head_loss(
     tw = None if token_weight is None else token_weight[rows].to(torch.float32 if hidden.dtype in _LOW else hidden.dtype)
     total = _HeadLoss.apply(hidden[rows], weight, labels[rows] - offset, tw, int(chunk), int(row_chunk), group)
     if reduction == "mean":
-        total = total / max(int(rows.numel()), 1)
+        with device_ce():  # the device's mean: in float32, as its loss kernel wrote the sum
+            total = total / max(int(rows.numel()), 1)
     return total
 
 

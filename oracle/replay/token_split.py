@@ -41,7 +41,7 @@ from ..errors import UsageError
 from ..parallel import distributed, token_parallel
 from ..parallel.token_parallel import Layout, gather_rows, scatter_sum_rows
 from . import attention
-from .headloss import head_loss
+from .headloss import device_ce, head_loss
 from .loss import token_rows
 
 NAME = "oracle_token_rows"
@@ -220,7 +220,10 @@ def splitter(ranks: int, me: int):
                 y = torch.where(mask != 0, labels[..., rows].reshape(-1), IGNORE)
                 n = int(loss_mask.sum())
                 loss = head_loss(h, weight, y, IGNORE, "sum", token_weight=mask)
-            return (loss / max(n, 1) if reduction == "mean" else loss), n
+            if reduction == "mean":
+                with device_ce():  # an emulated member's mean in float32, as head_loss's (headloss.device_ce)
+                    loss = loss / max(n, 1)
+            return loss, n
 
         @contextlib.contextmanager
         def within():

@@ -115,3 +115,43 @@ def direction_threshold(thr: dict[str, Any], fidelity: float = FIDELITY) -> floa
         return float(thr["value"])
     one = math.exp(thr["sigma"] * NormalDist().inv_cdf(1 - thr["alpha"]))
     return min(float(thr["value"]), max(one, fidelity))
+
+
+# -- the loss: one scalar, its own null ---------------------------------------------------------
+# The loss is one number: its error against the truth does not concentrate as a tensor's rel L2 does
+# (a sum of many squared roundings), so the pooled sigma above does not describe it. Its members'
+# errors e_1..e_K and the device's e are taken as exchangeable draws of one zero-mean normal error
+# (the step's roundings, summed over many tokens): the honest ratio R = |e| / max_k |e_k| has
+#     P(R > t) = integral_0^inf 2 phi(x) erf(x / (t sqrt 2))^K dx
+# (K = 1: the Cauchy tail 1 - 2/pi atan t; K = 2: t(0.995) = 11.2; K = 4: 3.7). LOSS_FLOOR keeps a
+# member that landed on the truth by chance from making the band zero: the loss is summed in float32 on
+# every device (a few float32 ulps of relative error at least).
+LOSS_FLOOR = 1e-6
+# Where the loss reads a called fault at the loss end as forward (the logits moved) rather than backward (the
+# loss's gradient or the head's backward scaled: the loss stays the honest one): a two-way choice on a run
+# already called, as a module's direction (direction_threshold), not a false alarm. At the 0.5 % of a finding
+# 2 members put it at 22.5x (the scalar's tail is heavy); at 5 % 6.9x: logits scaled by 1.1 moved the packed
+# step's loss 8.3-8.4x its band, honest runs 0.09-0.43x (benchmarks/detection_power.py, docs/limits.md).
+DIRECTION_ALPHA = 0.05
+
+
+def _ratio_tail(t: float, k: int, steps: int = 4000, top: float = 12.0) -> float:
+    """P(|X| > t max_k |Y_k|) for independent standard normals (Simpson's rule on [0, top])."""
+    h = top / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = i * h
+        f = 2 * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * math.erf(x / (t * math.sqrt(2))) ** k
+        total += f * (1 if i in (0, steps) else 4 if i % 2 else 2)
+    return total * h / 3
+
+
+def loss_threshold(k: int, alpha: float = ALPHA / 2, fidelity: float = FIDELITY) -> float:
+    """The excess of the loss's error over its band (the largest of ``k`` members' errors) that an honest
+    run reaches with probability ``alpha``, times ``fidelity`` (the device is not the emulation: a real CPU
+    bf16 step's loss measured 1.7x the largest of 3 members). Bisection on ``_ratio_tail``."""
+    lo, hi = 1.0, 1e6
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if _ratio_tail(mid, k) > alpha else (lo, mid)
+    return hi * fidelity

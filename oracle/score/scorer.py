@@ -230,7 +230,7 @@ def score(
         if c["framework"]:
             c["verdict"]["text"] += "; " + c["framework"]["text"]
         c["unverified"] = unverified[c["name"]]
-        c["loss_check"] = _loss_check(plan, oracle, margin or MARGIN)  # the loss has no members: the fixed margin
+        c["loss_check"] = _loss_check(plan, oracle, margin)  # against its members' losses where the band has them
         if c["loss_check"] and c["loss_check"]["beyond"]:
             c["verdict"]["text"] += "; " + c["loss_check"]["text"]
         c["coverage"] = _coverage(plan, pnames)
@@ -332,20 +332,43 @@ def _padded_vocab(oracle: Bundle) -> dict[str, tuple[int, int]]:
     return {n: (v["true"], v["padded"]) for m in (meg.get("mapping") or {}).values() if m.get("kind") == "vocab" for n in m["hf"]}
 
 
-def _loss_check(plan: dict, oracle: Bundle, margin: float) -> dict[str, Any] | None:
-    """The capture's recorded loss against the oracle's replayed loss (the same reduction)."""
+def _loss_check(plan: dict, oracle: Bundle, margin: float | None) -> dict[str, Any] | None:
+    """The capture's recorded loss against the oracle's replayed loss (the same reduction).
+
+    With the band's members' losses (each emulated run's, the cross-entropy computed as the device's
+    float32 kernel: replay/headloss.py ``device_ce``): band = max(max_k |L_k - L| / |L|, LOSS_FLOOR),
+    beyond when rel > t x band, t = calibrate.loss_threshold(K) (the scalar's own null, times the
+    emulation's fidelity; ``--margin`` replaces it); ``moved`` at the direction's level (DIRECTION_ALPHA:
+    what answers.born reads for a fault at the loss end). Without members: the fixed margin on the precision's
+    tolerance (``expected``, a gradient's: wide for a loss, which then tells forward from backward only
+    for a loud forward fault)."""
     captured = (plan["bundle"].get("loss") or {}).get("value")
     replayed = (oracle.get("loss") or {}).get("value")
     if captured is None or replayed is None:
         return None
     rel = abs(captured - replayed) / abs(replayed) if replayed else (0.0 if captured == replayed else math.inf)
-    band = margin * plan["tol"]["expected"]
-    beyond = rel > band
+    members = [] if plan["band"] is None else ((plan["band"].get("loss") or {}).get("members") or [])
+    members = [m for m in members if m is not None and math.isfinite(m)] if replayed else []
+    if members:
+        errs = [abs(m - replayed) / abs(replayed) for m in members]
+        band = max(max(errs), calibrate.LOSS_FLOOR)
+        t = margin if margin is not None else calibrate.loss_threshold(len(members))
+        t_dir = min(t, calibrate.loss_threshold(len(members), calibrate.DIRECTION_ALPHA))
+        rule = (f"{len(members)} members' loss errors (largest {max(errs):.1e}); beyond at {t:.1f}x it"
+                + (" (--margin)" if margin is not None else ": the scalar's own null at 0.5 %, times the emulation's fidelity"))  # fmt: skip
+    else:
+        band, t = plan["tol"]["expected"], margin or MARGIN
+        t_dir = t
+        rule = f"no members' losses: the {plan['precision']} tolerance {band:.0e} at the fixed margin {t:g}x"
+    limit = t * band
+    beyond = rel > limit
     text = (f"the captured loss differs from the replay's by {rel:.2e} relative: either the replay is not the step "
             "that ran (config, framework) or the device's forward is wrong; a local replay tells them apart" if beyond
             else f"the loss agrees with the replay within the band: {rel:.2e} relative")  # fmt: skip
-    text += f" (captured {captured:.8g}, replayed {replayed:.8g}; band {band:.1e})"
-    return {"captured": captured, "replayed": replayed, "rel": rel, "band": band, "beyond": beyond, "text": text}
+    text += f" (captured {captured:.8g}, replayed {replayed:.8g}; band {band:.1e}, {rule})"
+    return {"captured": captured, "replayed": replayed, "rel": rel, "band": limit, "loss_band": band, "threshold": t,
+            "members": len(members), "excess": rel / band if band else math.inf, "beyond": beyond,
+            "direction_threshold": t_dir, "moved": rel > t_dir * band, "text": text}  # fmt: skip
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:

@@ -140,8 +140,38 @@ def test_a_uniform_scale_is_the_frameworks_in_the_first_line_and_the_device_is_j
     assert "token-count ratio 1234/2435 (DP rank 0's loss tokens over" in head, head
     assert "framework finding, not the device" in a1["text"] and a3["per_run"][1]["module"] is None
     # the same scale with a planted fault on top: the fault is still called
-    d = decide.decide({"captures": [_capture("B", seed=5, scale=0.5068, plant=("model.layers.2.mlp.up_proj.weight", 6.0))]})
+    planted = _capture("B", seed=5, scale=1234 / 2435, plant=("model.layers.2.mlp.up_proj.weight", 6.0))
+    d = decide.decide({"captures": [_capture("A", seed=4), planted]}, runs=runs)
+    d = {"faulty": d["faulty"], "per_run": d["per_run"][1:]}
     assert d["faulty"] == ["B"] and d["per_run"][0]["calls"][0]["name"] == "model.layers.2.mlp.up_proj.weight"
+
+
+def test_a_uniform_scale_no_convention_makes_is_the_runs_own_at_the_loss_end_its_direction_from_the_loss():
+    """Every gradient x1.1 (c = 1/1.1): no token-count ratio, small fraction or power of two makes it, so it is
+    not a framework finding but B's own, placed at the loss end: backward when the loss agrees with the truth
+    (the loss's gradient or the head's backward scaled), forward when the loss is beyond its band (the logits)."""
+    runs = [{"name": "A", "num_tokens": 2435}, {"name": "B", "num_tokens": 2435, "rank_num_tokens": [1234, 1201]}]
+    d, a1, a3, a4, head = _judge([_capture("A", seed=4), _capture("B", seed=5, scale=1 / 1.1)], runs=runs)
+    assert d["faulty"] == ["B"] and not d["per_run"][1]["framework"] and d["per_run"][1]["scale"]["c"] == 1 / 1.1
+    assert head.startswith("answer: B is faulty") and "framework finding" not in head, head
+    born = a3["per_run"][1]
+    assert born["module"].startswith("model.layers.3.") and born["direction"] == "backward", born
+    assert "no loss-token count, rank or micro-batch count or loss scale makes it" in born["evidence"]
+    assert a4["per_run"][0]["class"] == "scaling", a4
+    moved = _capture("B", seed=5, scale=1 / 1.1)  # the loss 8.4x its band: not a finding (22.5x), a direction (6.9x)
+    moved["loss_check"] = {"beyond": False, "moved": True, "rel": 4.1e-4, "band": 1.1e-3, "excess": 8.4,
+                           "direction_threshold": 6.9, "text": "the loss agrees"}  # fmt: skip
+    _, _, a3, _, _ = _judge([_capture("A", seed=4), moved], runs=runs)
+    assert a3["per_run"][1]["direction"] == "forward" and "the logits are wrong" in a3["per_run"][1]["evidence"]
+    # x1.05: the scorer's overall test does not explain it, every unit scaled back by c is within noise
+    small = _capture("B", seed=5, scale=1 / 1.05)
+    small["verdict"]["global_scale"]["explains"] = False
+    d, _, a3, _, _ = _judge([_capture("A", seed=4), small], runs=runs)
+    assert d["faulty"] == ["B"] and d["per_run"][1]["scale"] and a3["per_run"][1]["direction"] == "backward"
+    # a power of two (a loss scale) and a small fraction stay the framework's
+    for c in (2.0**-12, 2 / 3):
+        d, *_ = _judge([_capture("A", seed=4), _capture("B", seed=5, scale=c)], runs=runs)
+        assert d["faulty"] == [] and d["per_run"][1]["framework"][0]["kind"] == "scale", c
 
 
 def test_gradients_left_out_of_the_verdict_are_named_in_the_first_line():

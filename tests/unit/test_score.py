@@ -166,3 +166,28 @@ def test_norm_only_capture_is_scored_on_norm_ratio(oracle_bundle, tmp_path):
     worst = max(c["params"], key=lambda p: p["excess"])
     assert worst["name"] == "lm_head.weight" and worst["norm_ratio"] == pytest.approx(1.5)
     assert math.isclose(next(p for p in c["params"] if p["name"] != "lm_head.weight")["norm_ratio"], 1.0, rel_tol=1e-12)
+
+
+def test_the_loss_is_judged_against_its_members_losses(make_capture, amp_capture, oracle_bundle, band):
+    """The band's members' losses (each emulated run's cross-entropy as the device's float32 kernel) are the loss's
+    band: far below the tolerance table's 3e-2, an honest amp-bf16 capture within it, a capture whose logits were
+    scaled by 1.1 in its forward (a hook on lm_head: every gradient moves by about one factor) beyond it."""
+    honest = _cap(score(oracle_bundle, [amp_capture], band_paths=[band("amp-bf16")]))["loss_check"]
+    assert honest["members"] == 3 and honest["loss_band"] < 1e-3 and not honest["beyond"], honest
+
+    def hot_logits(model):
+        model.lm_head.register_forward_hook(lambda module, inputs, out: out * 1.1)
+
+    scaled = make_capture("amp-bf16-logits-x1.1", "amp-bf16", instrument=hot_logits)
+    lc = _cap(score(oracle_bundle, [scaled], band_paths=[band("amp-bf16")]))["loss_check"]
+    assert lc["beyond"] and lc["excess"] > lc["threshold"], lc
+
+
+def test_an_emulated_members_loss_is_the_devices_float32_cross_entropy(oracle_bundle, band):
+    """A pure-bf16 member's cross-entropy runs as the device's float32 kernel on its bf16 logits (headloss.device_ce):
+    its loss within 1e-4 of the truth (measured 4e-6..8e-6). Rounding every step to bf16 put it 5.6e-4..5.1e-3 off
+    (the loss itself a bf16 number), too wide for any loss band."""
+    truth = Bundle(oracle_bundle).get("loss")["value"]
+    members = Bundle(band("bf16")).get("loss")["members"]
+    assert len(members) == 3 and len(set(members)) == 3, members  # three draws, not one number three times
+    assert max(abs(m - truth) / abs(truth) for m in members) < 1e-4, (members, truth)
