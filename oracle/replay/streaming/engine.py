@@ -395,14 +395,20 @@ class StreamEngine:
     # summed at the end of the backward). The forward records, per call, the unit calls its inputs
     # come from (a walk of the glue's autograd graph back to them); the journal drops the file then.
     def _trace(self, call: _Call, tensors: list[torch.Tensor]) -> None:
-        producers, keep, seen = set(), False, set()
+        # seen holds the nodes, not only their ids: torch 2.8 makes a Python object for a C++ autograd node
+        # at each access and frees it when let go, so the id of a node popped and done with went to the next
+        # one made, which read as seen and was never walked. The vision merger and the deepstack mergers
+        # went missing from the decoder layers' producers, the position table from the first block's, and
+        # the journal dropped input gradients those still needed: a resume handed them zeros. torch 2.13
+        # keeps one object per node while the graph lives.
+        producers, keep, seen = set(), False, {}
         stack = [t.grad_fn for t in tensors]
         keep = any(t.grad_fn is None and t.requires_grad for t in tensors)  # a leaf input: its gradient is a result
         while stack:
             fn = stack.pop()
             if fn is None or id(fn) in seen:
                 continue
-            seen.add(id(fn))
+            seen[id(fn)] = fn
             other = getattr(fn, "call", None)
             if isinstance(other, _Call):
                 producers.add((other.unit, other.index))
