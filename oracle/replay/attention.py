@@ -51,6 +51,7 @@ causal calls go to ``fn`` instead (a decoder layer run by row chunks, streaming/
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -370,6 +371,71 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 
+# From this torch on, the CPU flash kernel takes grouped-query attention (enable_gqa=True, fewer k/v heads;
+# measured: 2.13.0 and 2.14.1 run _scaled_dot_product_flash_attention_for_cpu, 2.8.0 its math path). These
+# torches keep transformers' own sdpa as it is, and nothing below runs a torch op there.
+FUSED_GQA_SINCE = (2, 13)
+
+
+@functools.cache
+def _fused_gqa_on_cpu() -> bool:
+    """Whether this torch runs a grouped-query sdpa call on CPU as its fused kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``, the op PrecisionMode rounds once and explain's
+    ``attention`` class names). torch 2.8 does not: it falls back to the math path (bmm, softmax, bmm), which an
+    emulation rounds op by op. From ``FUSED_GQA_SINCE`` on: yes, by the version alone. Below it torch's own
+    kernel choice is asked, with every mode set aside (``as_stored``): a probe run under an emulating
+    PrecisionMode would round its tensors and draw the member's jitter once per process, at whatever op first
+    asked, and two processes of one run would no longer agree bitwise."""
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if major_minor >= FUSED_GQA_SINCE:
+        return True
+    from ..precision.mode import as_stored
+
+    with as_stored():
+        q, k = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)  # (B, H, T, D): two query heads share one k/v head
+        try:
+            choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)
+        except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - a torch without the query
+            return True
+    return choice != int(torch.nn.attention.SDPBackend.MATH)
+
+
+def _sdpa_kv(module, query, key, value, attention_mask):
+    """``key``, ``value`` as transformers' sdpa is to get them: repeated to the query's heads (transformers'
+    repeat_kv) where it would ask for grouped-query attention and this torch's CPU kernel cannot take it
+    (``_fused_gqa_on_cpu``), so the call stays the one fused op; the values are the same, the op is the one a
+    device's flash attention is emulated as. Elsewhere (torch >= 2.13 first of all) they are returned as given."""
+    if _fused_gqa_on_cpu():
+        return key, value
+    from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
+
+    g = query.shape[1] // key.shape[1]  # (B, H, T, D) against (B, Hkv, T, D)
+    gqa = getattr(module, "num_key_value_groups", 1) > 1 and use_gqa_in_sdpa(attention_mask, key, value)
+    if g > 1 and query.device.type == "cpu" and gqa:
+        return repeat_kv(key, g), repeat_kv(value, g)  # (B, H, T, D)
+    return key, value
+
+
+def sdpa_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa" with ``_sdpa_kv``: a grouped-query call is the one fused CPU op on torch 2.8 too."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = _sdpa_kv(module, query, key, value, attention_mask)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def keep_sdpa_fused() -> None:
+    """Where this torch's CPU kernel cannot take grouped-query attention (``_fused_gqa_on_cpu``: torch 2.8),
+    transformers' "sdpa" becomes ``sdpa_forward`` (k/v repeated first, as transformers does for kernels that
+    need it), so a recipe's model runs its attention as the fused op on every supported torch. A torch that
+    takes it (2.13, 2.14.1) keeps transformers' own function, untouched. The recipes call it when they build."""
+    if _fused_gqa_on_cpu():
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa", sdpa_forward)
+
+
 def fused_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
     """``FUSED``: an emulated replay's attention (in memory and streamed). transformers' own sdpa (one
     fused op, which the PrecisionMode rounds at its operands and output only, as a device's flash
@@ -389,6 +455,7 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
         chunk = int(getattr(module, "oracle_attention_chunk", CHUNK))
         return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
     cu = _boundaries(query, True, kwargs) if causal and attention_mask is None else None
+    key, value = _sdpa_kv(module, query, key, value, attention_mask)  # torch 2.8: k/v repeated, the call fused
     if cu is None or len(cu) <= 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
