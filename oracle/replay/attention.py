@@ -51,6 +51,7 @@ causal calls go to ``fn`` instead (a decoder layer run by row chunks, streaming/
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -58,6 +59,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import RecipeError
+from ..precision.mode import as_stored, emulating
+from .fused_gqa import FusedGQA
 
 NAME = "oracle_chunked"
 FUSED = "oracle_fused"  # an emulated streamed replay's attention: transformers' sdpa, its decoder layers by row chunks
@@ -370,6 +373,68 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
 
 
+# From this torch on, the CPU flash kernel takes grouped-query attention (enable_gqa=True, fewer k/v heads;
+# measured: 2.13.0 and 2.14.1 run _scaled_dot_product_flash_attention_for_cpu, 2.8.0 its math path). These
+# torches keep transformers' own sdpa as it is, and nothing below runs a torch op there.
+FUSED_GQA_SINCE = (2, 13)
+
+
+@functools.cache
+def _fused_gqa_on_cpu() -> bool:
+    """Whether this torch runs a grouped-query sdpa call on CPU as its fused kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``, the op PrecisionMode rounds once and explain's
+    ``attention`` class names). torch 2.8 does not: it falls back to the math path (bmm, softmax, bmm), which an
+    emulation rounds op by op. From ``FUSED_GQA_SINCE`` on: yes, by the version alone. Below it torch's own
+    kernel choice is asked, with every mode set aside (``as_stored``): a probe run under an emulating
+    PrecisionMode would round its tensors and draw the member's jitter once per process, at whatever op first
+    asked, and two processes of one run would no longer agree bitwise."""
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if major_minor >= FUSED_GQA_SINCE:
+        return True
+    with as_stored():
+        q, k = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)  # (B, H, T, D): two query heads share one k/v head
+        try:
+            choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)
+        except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - a torch without the query
+            return True
+    return choice != int(torch.nn.attention.SDPBackend.MATH)
+
+
+def sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa", a grouped-query call the one fused CPU op on every supported torch. From
+    ``FUSED_GQA_SINCE`` on (``_fused_gqa_on_cpu``) it is transformers' own function, called as before. Below it,
+    where transformers would ask for grouped-query attention (``use_gqa_in_sdpa``: no mask): under an emulating
+    mode the fused kernel with the mode's rounding points at the kernel's boundary, as 2.13 has them
+    (replay/fused_gqa.py); where nothing rounds, k/v repeated to the query's heads (transformers' repeat_kv):
+    the same values, the one fused op."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
+
+    if not _fused_gqa_on_cpu():
+        g = query.shape[1] // key.shape[1]  # (B, H, T, D) against (B, Hkv, T, D)
+        gqa = getattr(module, "num_key_value_groups", 1) > 1 and use_gqa_in_sdpa(attention_mask, key, value)
+        if g > 1 and query.device.type == "cpu" and gqa:
+            mode = emulating()
+            if mode is not None and not dropout and query.shape[2] == key.shape[2]:
+                causal = query.shape[2] > 1 and bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+                out = FusedGQA.apply(query, key, value, mode, causal, scaling)  # (B, H, T, D)
+                return out.transpose(1, 2).contiguous(), None  # (B, T, H, D), as transformers' sdpa returns it
+            key, value = repeat_kv(key, g), repeat_kv(value, g)  # (B, H, T, D)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)  # fmt: skip
+
+
+def keep_sdpa_fused() -> None:
+    """Where this torch's CPU kernel cannot take grouped-query attention (``_fused_gqa_on_cpu``: torch 2.8),
+    transformers' "sdpa" becomes ``sdpa_forward`` (the fused kernel under an emulating mode, k/v repeated first
+    elsewhere), so a recipe's model runs its attention as the fused op on every supported torch. A torch that
+    takes it (2.13, 2.14.1) keeps transformers' own function, untouched. The recipes call it when they build."""
+    if _fused_gqa_on_cpu():
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa", sdpa_forward)
+
+
 def fused_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
     """``FUSED``: an emulated replay's attention (in memory and streamed). transformers' own sdpa (one
     fused op, which the PrecisionMode rounds at its operands and output only, as a device's flash
@@ -381,8 +446,6 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
         (65536 tokens: 4 GiB), and the work grows with the samples' lengths squared, not the
         sequence's (a 96-sample step through a masked sdpa computed 96x the attention the device does).
         Each call's output is rounded once by the mode; their concatenation moves no value."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     rows = getattr(_state, "rows", None)
     if rows is not None and causal:
@@ -390,12 +453,12 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling=N
         return rows(query, key, value, softmax_scale(query, scaling), chunk).transpose(1, 2).contiguous(), None
     cu = _boundaries(query, True, kwargs) if causal and attention_mask is None else None
     if cu is None or len(cu) <= 2:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
+        return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)  # fmt: skip
     # split, not slices: split's backward is one cat, a slice's a zero tensor of all T rows per sample
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
-    outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0] for q, k, v in parts]
+    outs = [sdpa_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)[0] for q, k, v in parts]
     return torch.cat(outs, dim=1), None  # (B, T, H, D)
 
 

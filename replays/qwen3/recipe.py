@@ -15,6 +15,7 @@ from oracle.capture.packing import pack
 from oracle.capture.samples import read_sample
 from oracle.errors import RecipeError
 from oracle.recipe import ModelSource, Recipe
+from oracle.replay.attention import keep_sdpa_fused
 from oracle.replay.loss import causal_lm_loss, lm_head_loss, masked_token_loss
 
 from . import flavors
@@ -82,6 +83,7 @@ class Qwen3Recipe(Recipe):
 
         cfg = Qwen3Config(**{k: v for k, v in config.items() if k != "model_type"})
         cfg._attn_implementation = "sdpa"
+        keep_sdpa_fused()  # torch 2.8: grouped-query sdpa the one fused CPU op too (oracle/replay/attention.py)
         cfg.use_cache = False
         return Qwen3ForCausalLM(cfg)
 

@@ -197,6 +197,49 @@ def test_a_damaged_work_file_is_recomputed_never_published(fp32_capture, tmp_pat
     Bundle(tmp_path / "o").load_group("grads")  # every published hash holds
 
 
+def test_a_damaged_input_gradient_file_before_a_drop_recomputes_what_it_needs(fp32_capture, tmp_path, monkeypatch, whole):
+    """An input-gradient file truncated where a later record dropped a finished unit's (layers.1's file, then
+    layers.2's dropped): the journal cut there names layers.2 finished without its input gradients, so it is
+    recomputed, and so is layers.3, whose gradients to layers.2 were dropped before the cut (was: zeros
+    handed to layers.2, 80 of 104 gradients zero); the oracle is bitwise the uninterrupted one."""
+    work = interrupted(fp32_capture, tmp_path / "o", monkeypatch, units=8)
+    member = work / "grads"
+    recs = [json.loads(ln) for ln in (member / "journal.jsonl").read_text().splitlines()]
+    finished = {r["unit"]: k for k, r in enumerate(recs) if r["kind"] == "unit"}
+    # the first call record whose file is still there and after which a unit finished before it lost its file
+    at = next(k for k, r in enumerate(recs) if r["kind"] == "call" and (member / r["file"]).is_file()
+              and any(d["kind"] == "drop" and finished.get(d["unit"], k) < k for d in recs[k + 1:]))  # fmt: skip
+    (member / recs[at]["file"]).write_bytes((member / recs[at]["file"]).read_bytes()[:40])
+    res = invoke("replay", fp32_capture, "--out", tmp_path / "o", "--max-memory", "8G", "--threads", torch.get_num_threads())
+    assert res.exit_code == 0, res.output
+    assert f"journal record {at + 1} {recs[at]['file']}" in res.output, res.output
+    assert_bitwise(tmp_path / "o", whole)
+
+
+def test_a_decoder_layer_call_records_every_unit_call_feeding_it(fp32_capture, tmp_path, monkeypatch):
+    """The forward's walk of the glue finds each unit call an input comes from: the vision merger into layers.0,
+    the deepstack mergers into layers.1 and layers.2 (added to the hidden states between layers), and the
+    position table (a resident parameter) behind the first block's input, whose gradient is then never
+    dropped. On torch 2.8 the walk stopped at its first node (a freed node's id reused: seen) and found only
+    the layer before, so a layer's input gradients were dropped before the merger they also feed."""
+    from oracle.replay.streaming import engine
+
+    traced = {}
+    real = engine.StreamEngine._trace
+
+    def spy(self, call, tensors):
+        real(self, call, tensors)
+        traced[call.unit, call.index] = ({u for u, _ in call.producers}, call.keep)
+
+    monkeypatch.setattr(engine.StreamEngine, "_trace", spy)
+    replay(fp32_capture, tmp_path / "o", max_memory=BUDGET)
+    text, vision = "model.language_model.", "model.visual."
+    assert traced[text + "layers.0", 0] == ({text + "embed_tokens", vision + "merger"}, False)
+    assert traced[text + "layers.1", 0] == ({text + "layers.0", vision + "deepstack_merger_list.0"}, False)
+    assert traced[text + "layers.2", 0] == ({text + "layers.1", vision + "deepstack_merger_list.1"}, False)
+    assert traced[vision + "blocks.0", 0] == ({vision + "patch_embed"}, True)
+
+
 def test_a_replay_refused_for_its_budget_leaves_no_work_folder(fp32_capture, tmp_path):
     """--max-memory below one unit: exit 2, no `.o.partial`; the next run is not '(resumed)' (issue 20 papercut)."""
     with pytest.raises(UsageError, match="--max-memory"):

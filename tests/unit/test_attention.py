@@ -308,3 +308,48 @@ def test_mask_function_refuses_patterns_it_cannot_compute():
         attention.mask_forward(**kw, mask_function=and_masks(causal_mask_function, sliding_window_overlay(3)))
     with pytest.raises(AttentionLayoutError, match="without a KV cache"):
         attention.mask_forward(batch_size=1, q_length=1, kv_length=12, q_offset=11, mask_function=causal_mask_function)
+
+
+class _Draws(PrecisionMode):
+    """A jittered float32 member that lists the shape of every tensor it rounds."""
+
+    def __init__(self):
+        super().__init__(torch.float32, torch.float32, jitter_seed=7, device_type="cpu")
+        self.shapes = []
+
+    def _round(self, x, fresh=False):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == self.compute:
+            self.shapes.append(tuple(x.shape))
+        return super()._round(x, fresh=fresh)
+
+
+def _member_step(attend, heads, kv_heads):
+    """out and q, k, v gradients of ``attend`` run under a fresh jittered member; -> (tensors, its rounding shapes)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 16, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    dout = torch.linspace(-1, 1, heads * 8 * 16).reshape(1, 8, heads, 16).transpose(1, 2)  # (B, H, T, D), as a model's
+    mode = _Draws()
+    with mode:
+        out = attend(q, k, v, mode)
+        out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad, mode._gen.get_state()], mode.shapes
+
+
+def test_the_fused_gqa_kernel_rounds_where_the_fused_op_does():
+    """replay/fused_gqa.py (torch < 2.13): with one query head per key head it is torch's fused sdpa op under the same
+    jittered member, bitwise (values, gradients, the jitter stream after); with two it rounds k, v and dk, dv once at
+    their own heads, in the op's order (was: each repeated copy rounded, the group sum once more)."""
+    from oracle.replay.fused_gqa import FusedGQA
+
+    def fused(q, k, v, mode):
+        return FusedGQA.apply(q, k, v, mode, True, 0.25)
+
+    def sdpa(q, k, v, mode):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+
+    ours, ours_shapes = _member_step(fused, 4, 4)
+    op, op_shapes = _member_step(sdpa, 4, 4)
+    assert ours_shapes == op_shapes and all(torch.equal(a, b) for a, b in zip(ours, op))
+    _, shapes = _member_step(fused, 4, 2)
+    q, kv, lse = (1, 4, 8, 16), (1, 2, 8, 16), (1, 4, 8)
+    assert shapes == [q, kv, kv, q, lse, q, q, kv, kv, q, lse, q, kv, kv]

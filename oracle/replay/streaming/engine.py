@@ -200,6 +200,7 @@ class StreamEngine:
         # are skipped on resume (None: this journal's own), and a call made between forward and backward
         self.agreed: set[str] | None = None
         self.before_backward = None
+        self.skippable: set[str] = set()  # the finished units this run skips (``_skippable``, set before the backward)
         self.consumers: dict[tuple[str, int], list[_Call]] = {}  # call -> the calls its outputs went to
         self._bars: dict[str, Any] = {}
         self.layer_chunk = min(token_chunk, LAYER_CHUNK)
@@ -271,7 +272,7 @@ class StreamEngine:
             saved = [None] * len(call.requires)
         elif saved is not None:  # amp emulation: what was held in low precision is again (the glue's
             saved = [self.mode.mark_low(g) if low else g for g, low in saved]  # sums round as they did)
-        skip = self.journal.unit_done(call.unit) if self.agreed is None else call.unit in self.agreed
+        skip = call.unit in self.skippable if self.agreed is None else call.unit in self.agreed
         assert saved is not None or self.agreed is None or not skip, f"{call.unit} agreed finished, no input gradients"
         if saved is not None and skip:
             self.mode.promotions += self.journal.promoted.get((call.unit, call.index), 0)  # as if recomputed here
@@ -395,14 +396,20 @@ class StreamEngine:
     # summed at the end of the backward). The forward records, per call, the unit calls its inputs
     # come from (a walk of the glue's autograd graph back to them); the journal drops the file then.
     def _trace(self, call: _Call, tensors: list[torch.Tensor]) -> None:
-        producers, keep, seen = set(), False, set()
+        # seen holds the nodes, not only their ids: torch 2.8 makes a Python object for a C++ autograd node
+        # at each access and frees it when let go, so the id of a node popped and done with went to the next
+        # one made, which read as seen and was never walked. The vision merger and the deepstack mergers
+        # went missing from the decoder layers' producers, the position table from the first block's, and
+        # the journal dropped input gradients those still needed: a resume handed them zeros. torch 2.13
+        # keeps one object per node while the graph lives.
+        producers, keep, seen = set(), False, {}
         stack = [t.grad_fn for t in tensors]
         keep = any(t.grad_fn is None and t.requires_grad for t in tensors)  # a leaf input: its gradient is a result
         while stack:
             fn = stack.pop()
             if fn is None or id(fn) in seen:
                 continue
-            seen.add(id(fn))
+            seen[id(fn)] = fn
             other = getattr(fn, "call", None)
             if isinstance(other, _Call):
                 producers.add((other.unit, other.index))
@@ -414,6 +421,29 @@ class StreamEngine:
         call.producers, call.keep = producers, keep
         for p in producers:
             self.consumers.setdefault(p, []).append(call)
+
+    def _skippable(self) -> set[str]:
+        """The finished units a resumed run skips, handing on their journalled input gradients: those the
+        journal finished with every call's input gradients recorded (kept or dropped), less, to a fixed
+        point, those with a call whose input gradients were dropped while a unit producing its inputs is
+        recomputed, which needs what that call sends it. A journal cut at a damaged record
+        (workdir.valid_records) can hold a finished unit whose input gradients a later, cut-off drop
+        removed: it is recomputed, and with it the finished units behind it back to kept gradients (a
+        truncated input-gradient file of layers.1, layers.2's dropped after it: layers.2 recomputed from
+        layers.3's dropped gradients, zeros, and 80 of 104 gradients zero). An uncut journal gives
+        exactly its finished units: a drop follows its producers' shards, a call record its unit's."""
+        calls = {(c.unit, c.index): c for cs in self.consumers.values() for c in cs}
+        skip = {u for u in self.units if self.journal.unit_done(u)
+                and all(self.journal.call_recorded(u, i) for i in range(self.calls.get(u, 0)))}  # fmt: skip
+        changed = True
+        while changed:
+            changed = False
+            for u, i in sorted(self.journal.dropped):
+                c = calls.get((u, i))
+                if u in skip and c is not None and any(p not in skip for p, _ in c.producers):
+                    skip.discard(u)
+                    changed = True
+        return skip
 
     def _drop_consumed(self, unit: str) -> None:
         """``unit`` is finished (its shard journalled): the input gradients of the calls its calls fed are
@@ -455,6 +485,7 @@ class StreamEngine:
                 hooks.append(p.register_post_accumulate_grad_hook(lambda _, n=n: self.order.append(n)))
             if self.before_backward is not None:
                 self.before_backward(self)
+            self.skippable = self._skippable()
             try:
                 loss.backward()
             finally:
