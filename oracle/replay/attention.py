@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 from collections.abc import Sequence
@@ -411,7 +412,9 @@ def sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
 
     if not _fused_gqa_on_cpu():
         g = query.shape[1] // key.shape[1]  # (B, H, T, D) against (B, Hkv, T, D)
-        gqa = getattr(module, "num_key_value_groups", 1) > 1 and use_gqa_in_sdpa(attention_mask, key, value)
+        # transformers 5 asks (mask, key, value), 4.57 (the user's training env) (mask, key)
+        ask = (attention_mask, key, value)[: len(inspect.signature(use_gqa_in_sdpa).parameters)]
+        gqa = getattr(module, "num_key_value_groups", 1) > 1 and use_gqa_in_sdpa(*ask)
         if g > 1 and query.device.type == "cpu" and gqa:
             mode = emulating()
             if mode is not None and not dropout and query.shape[2] == key.shape[2]:

@@ -353,3 +353,22 @@ def test_the_fused_gqa_kernel_rounds_where_the_fused_op_does():
     _, shapes = _member_step(fused, 4, 2)
     q, kv, lse = (1, 4, 8, 16), (1, 2, 8, 16), (1, 4, 8)
     assert shapes == [q, kv, kv, q, lse, q, q, kv, kv, q, lse, q, kv, kv]
+
+
+def test_sdpa_forward_gives_transformers_grouped_query_attention_on_every_supported_torch():
+    """``attention.sdpa_forward`` (what the recipes register as "sdpa" below torch 2.13) returns transformers' own
+    sdpa result for a grouped-query call, with transformers 5 and 4.57 alike (their ``use_gqa_in_sdpa`` differ in
+    arity); where nothing rounds it is transformers' function on the same values."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from oracle.replay.attention import sdpa_forward
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal = 2, True
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=g)  # (B, H, T, D): 4 query heads over 2 k/v heads
+    k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    got, _ = sdpa_forward(Layer(), q, k, v, None, scaling=8**-0.5)
+    want, _ = sdpa_attention_forward(Layer(), q, k, v, None, scaling=8**-0.5)
+    assert got.shape == (1, 6, 4, 8) and torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
