@@ -39,6 +39,7 @@ tolerance.py) stands in, and says so. An explicit ``--margin`` replaces the rule
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from statistics import NormalDist, median
@@ -146,6 +147,7 @@ def _ratio_tail(t: float, k: int, steps: int = 4000, top: float = 12.0) -> float
     return total * h / 3
 
 
+@functools.cache  # pure in its arguments; a score asks it twice per capture (the finding's and the direction's)
 def loss_threshold(k: int, alpha: float = ALPHA / 2, fidelity: float = FIDELITY) -> float:
     """The excess of the loss's error over its band (the largest of ``k`` members' errors) that an honest
     run reaches with probability ``alpha``, times ``fidelity`` (the device is not the emulation: a real CPU
