@@ -165,6 +165,29 @@ def rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def killed_at_barrier(folder, rank: int, tag: str) -> dict[str, str]:
+    """Variables under which rank ``rank`` of a launched run SIGKILLs itself right after it passed
+    ``distributed.barrier(tag)`` (every rank reached it; what follows is the step's exchanges): a
+    ``sitecustomize`` in ``folder`` put first on PYTHONPATH (the launcher keeps PYTHONPATH for its ranks).
+    A point every run reaches, never a race with the test's polling (CI at load: the rank once finished
+    before a polling test could kill it)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import os\n"
+        f"if os.environ.get('RANK') == {str(rank)!r}:\n"
+        "    import signal\n"
+        "    from oracle.parallel import distributed\n"
+        "    _barrier = distributed.barrier\n"
+        "    def barrier(tag, _barrier=_barrier):\n"
+        "        _barrier(tag)\n"
+        f"        if tag == {tag!r}:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    distributed.barrier = barrier\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def packed_text_capture(root, name: str = "packed") -> tuple[str, list[dict], object]:
     """Three samples of the tiny Qwen3 packed into one sequence, captured in fp32 with the loss summed
     under ``root / name``; with the samples and the source (to capture them alone)."""

@@ -20,8 +20,10 @@ Echo = Callable[[str], None]
 def replay(opts: ReplayOptions, echo: Echo = print) -> int:
     """Replay ``opts.capture`` as ``opts`` says; 0 on success (errors raise OracleError, as everywhere)."""
     if opts.nproc > 1 and not opts.dry_run:
+        from ..bundle.store import check_output
         from ..replay.ranks import launch_ranks
 
+        check_output(opts.out, opts.overwrite)  # the launcher claims --out for its ranks (atomic.claim), dropped at its exit
         return launch_ranks(opts)
     import torch
 

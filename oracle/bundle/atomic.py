@@ -320,8 +320,8 @@ def claim(final: Path) -> None:
     other writer if a live one holds it. Reentrant; children inherit it through ``ORACLE_CLAIMS``."""
     k = str(final.absolute())
     with _CLAIM_LOCK, dir_lock(final.parent):
-        if k in _CLAIMS:
-            return
+        if k in _CLAIMS or _ancestor_claims(final):
+            return  # ours already, or the launcher's whose rank we are (it outlives us and drops it at its exit)
         sweep(final.parent)
         other = rivals(final)
         if other:
@@ -333,6 +333,18 @@ def claim(final: Path) -> None:
         _hold(p)
         _CLAIMS[k] = p
         os.environ[CLAIMS_ENV] = os.pathsep.join(filter(None, [os.environ.get(CLAIMS_ENV, ""), str(p.absolute())]))
+
+
+def _ancestor_claims(final: Path) -> bool:
+    """Whether a process we descend from (``--nproc``'s launcher) holds a live claim on ``final``: its
+    rank then writes under it instead of making a claim of its own, which a rank stopped by SIGTERM
+    (the launcher stopping the others when one fails) would leave behind."""
+    for c in filter(None, os.environ.get(CLAIMS_ENV, "").split(os.pathsep)):
+        c = Path(c)
+        info = parse(c)
+        if info and info["what"] == "claim" and info["name"] == final.name and c.parent == final.parent.absolute() and c.is_dir():
+            return True
+    return False
 
 
 def unclaim(final: Path) -> None:

@@ -22,6 +22,7 @@ from oracle.capture.steps import capture_recipe_step
 from oracle.errors import RankError
 from oracle.replay.local import replay_local
 from oracle.replay.run import replay
+from oracle.replay.token_split import KILL_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,24 +83,19 @@ def test_two_ranks_spread_the_local_replay_with_the_same_rows(cap, tmp_path):
 
 @pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_killed_rank_is_named_and_the_run_resumes_bitwise(cap, tmp_path):
-    """SIGKILL rank 1 once its member's journal holds finished units: the launcher stops rank 0 and
-    exits 10 naming rank 1; the same command resumes from both ranks' journals and ends bitwise equal."""
+    """Rank 1 SIGKILLed once its member's journal holds 2 finished units (it kills itself there:
+    ORACLE_TEST_KILL, oracle/replay/token_split.py kill_hook; a point every run reaches, never a race
+    with the test's polling): the launcher stops rank 0 and exits 11 naming rank 1; the same command
+    resumes from both ranks' journals and ends bitwise equal."""
     out = tmp_path / "o"
     args = ["replay", str(cap), "--out", str(out), "--dtype", "amp-bf16", "--ensemble", "2", "--max-memory", "4G",
             "--nproc", "2", "--threads", "1"]  # fmt: skip
-    journal = tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl"
-    p = subprocess.Popen([*ORACLE, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed, deadline = None, time.time() + HANG_S
-    while time.time() < deadline and p.poll() is None and killed is None:
-        if journal.exists() and sum('"unit"' in x for x in journal.read_text().splitlines()) >= 2:
-            killed = rank_pid(p.pid, 1)
-            os.kill(killed, signal.SIGKILL)
-        time.sleep(0.005)
-    _, err = p.communicate(timeout=HANG_S)
-    assert killed, "rank 1 finished before it could be killed"
-    assert p.returncode == RankError.exit_code, err
+    r = run_oracle(args, env={KILL_ENV: "1:2"}, timeout=HANG_S)
+    err = r.stderr
+    assert r.returncode == RankError.exit_code, err
     assert "rank 1 of 2 was killed by SIGKILL" in err and "resume" in err
     assert not out.exists()
+    assert (tmp_path / ".o.rank1.partial" / "grads.1" / "journal.jsonl").exists()  # what the rerun resumes from
     r = run_oracle(args)
     assert r.returncode == 0, r.stderr
     assert "(resumed)" in r.stdout

@@ -3,16 +3,11 @@ and the loss within 1e-12 of the single process, bitwise repeatable, a killed ra
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, ORACLE, assert_split_within, env_of, packed_vl_capture, rank_pid, run_oracle
+from helpers import HANG_S, assert_split_within, killed_at_barrier, packed_vl_capture, run_oracle
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -145,31 +140,16 @@ def test_split_tokens_refuses_what_it_does_not_do(qwen3, tmp_path, monkeypatch):
 
 @pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)
 def test_a_rank_killed_mid_step_is_named(qwen3, tmp_path):
-    """SIGKILL rank 1 once every rank has built its model (inside the step's exchanges): the launcher
-    stops rank 0 and exits 11 naming rank 1; no bundle is written."""
+    """Rank 1 SIGKILLed once every rank has built its model (inside the step's exchanges; it kills itself
+    there, tests/helpers.py killed_at_barrier): the launcher stops rank 0 and exits 11 naming rank 1; no
+    bundle is written."""
     cap, _ = qwen3
     out = tmp_path / "o"
-    p = subprocess.Popen([*ORACLE, "replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    killed, store, deadline = None, None, time.time() + HANG_S
-    while time.time() < deadline and p.poll() is None and killed is None:
-        pid = rank_pid(p.pid, 1)
-        if pid and store is None:
-            port = env_of(pid).get("MASTER_PORT")
-            try:
-                raw = torch.distributed.TCPStore("127.0.0.1", int(port), is_master=False, timeout=timedelta(seconds=5))
-                # the default group's keys, as init_process_group prefixes them (torch 2.13: "default_pg", then "0/")
-                store = torch.distributed.PrefixStore("0/", torch.distributed.PrefixStore("default_pg", raw))
-            except (RuntimeError, ValueError):
-                store = None  # rank 0 has not opened it yet
-        if store is not None and store.check(["oracle/barrier/tokens-built/1"]):
-            os.kill(pid, signal.SIGKILL)
-            killed = pid
-        time.sleep(0.005)
-    _, err = p.communicate(timeout=HANG_S)
-    assert killed, "rank 1 finished before it could be killed"
-    assert p.returncode == RankError.exit_code, err
-    assert "rank 1 of 2 was killed by SIGKILL" in err
+    r = run_oracle(["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", "2", "--threads", "1"],
+                   env=killed_at_barrier(tmp_path / "site", 1, "tokens-built"), timeout=HANG_S)  # fmt: skip
+    assert r.returncode == RankError.exit_code, r.stderr
+    assert "rank 1 of 2 was killed by SIGKILL" in r.stderr
     assert not out.exists()
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]  # no work folder left either
 
 
