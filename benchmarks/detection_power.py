@@ -6,7 +6,8 @@
     python benchmarks/detection_power.py OUT --families swiglu attention --paths H20
 
 The step is tests/peers/two_paths.py's (ms-swift's own Qwen3-VL, TP 2 + SP, 3 packed samples, 2 images,
-full recompute, bf16 with fp32 main_grad, ``ORACLE_CAPTURE`` and ``ORACLE_CAPTURE_MODULES=layers``): the
+full recompute, bf16 with fp32 main_grad, ``ORACLE_CAPTURE`` and ``ORACLE_CAPTURE_MODULES=layers,vit``, the
+decoder layers' and the vision blocks' boundaries; ``--modules layers`` for the decoder's alone): the
 H20 path (megatron-core) in ``.venv-swift``, the 910B path (MindSpeed on the torch_npu stand-in) in
 ``.venv-mindspeed``. Faults are this benchmark's own (benchmarks/detection_plants.py: module hooks and
 monkeypatches inside the ranks, as a user's harness would plant them; none of oracle's or the tests'
@@ -122,14 +123,14 @@ def _shim(out: Path) -> Path:
 
 
 def capture(path: str, out: Path, shim: Path, dtype: str = "bf16", seed: int = SEED, microbatches: int = 1,
-            plant: dict | None = None, reuse: bool = False) -> Path:  # fmt: skip
+            plant: dict | None = None, reuse: bool = False, modules: str = "layers") -> Path:  # fmt: skip
     """One packed step of ``path`` captured by ``ORACLE_CAPTURE`` -> its rank folder (``.../capture/pre``);
     ``reuse``: a capture this benchmark already finished in ``out`` (its step log written last) is taken as it is."""
     cap = out / "capture"
     if reuse and (cap / "pre").is_dir() and (out / "step.log").is_file():
         return cap / "pre"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN", "DETECTION_"))}
-    env.update(ORACLE_CAPTURE=str(cap), ORACLE_CAPTURE_MODULES="layers", DETECTION_SEED=str(seed),
+    env.update(ORACLE_CAPTURE=str(cap), ORACLE_CAPTURE_MODULES=modules, DETECTION_SEED=str(seed),
                SWIFT_STEP_MICROBATCHES=str(microbatches), OMP_NUM_THREADS="1")  # fmt: skip
     if plant:
         env["DETECTION_PLANT"] = json.dumps(plant)
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--strengths", nargs="+", type=float, help="only these strengths (of the families that have them)")
     ap.add_argument("--targets", nargs="+", help="only plants whose target or layer contains one of these (e.g. output_layer, 0)")
     ap.add_argument("--honest", type=int, help="only the first N honest pairs")
+    ap.add_argument("--modules", default="layers,vit",
+                    help="ORACLE_CAPTURE_MODULES of every capture (default: the decoder layers and the vision blocks)")
     ap.add_argument("--reuse", action="store_true",
                     help="captures already finished in OUT are judged again as they are (the verdict changed, not the step)")
     ap.add_argument("--combine", nargs="+", type=Path, help="no run: these runs' detection_power.json as one, written to OUT")
@@ -223,13 +226,15 @@ def main(argv=None) -> int:
     paths = o.paths or (["910B"] if o.quick else ["H20", "910B"])
     o.out.mkdir(parents=True, exist_ok=True)
     shim, t_start = _shim(o.out), time.time()
-    doc = {"mode": "quick" if o.quick else "full", "machine": machine(), "honest": [], "plants": [], "failed": []}
+    doc = {"mode": "quick" if o.quick else "full", "machine": machine(), "modules": o.modules, "honest": [], "plants": [],
+           "failed": []}  # fmt: skip
     caps: dict = {}
 
     def cap(path, dtype, seed, mb):
         k = (path, dtype, seed, mb)
         if k not in caps:
-            caps[k] = capture(path, o.out / "caps" / f"{path}-{dtype}-s{seed}-mb{mb}", shim, dtype, seed, mb, reuse=o.reuse)
+            caps[k] = capture(path, o.out / "caps" / f"{path}-{dtype}-s{seed}-mb{mb}", shim, dtype, seed, mb, reuse=o.reuse,
+                              modules=o.modules)  # fmt: skip
         return caps[k]
 
     print(f"honest pairs: {len(honest)}", flush=True)
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
                 row = {"path": path, "family": fam, "target": target, "layer": list(key), "direction": direction,
                        "strength": s}  # fmt: skip
                 try:
-                    planted = capture(path, pdir, shim, plant=spec, reuse=o.reuse)
+                    planted = capture(path, pdir, shim, plant=spec, reuse=o.reuse, modules=o.modules)
                     t1 = time.time()
                     d = judge(base_a, planted, [other, path], work)
                 except RuntimeError as e:  # a plant that does not run is said and skipped, not counted

@@ -129,6 +129,13 @@ class Recipe:
         model injects nothing (no restriction needed)."""
         return False
 
+    def entry_sources(self, config: dict[str, Any], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Which unrecorded module writes which token rows of the hidden states the decoder's first layer
+        receives: {module name: bool (B, T) mask}; the local replay splits that entry row's error by them
+        (replay/local.py), so that a forward error made before the decoder is placed in the module whose rows
+        carry it. {}: one writer (the token embedding), nothing to split."""
+        return {}
+
 
 # -- the registry -------------------------------------------------------------------------------
 # Recipes are plugins: each is declared under the ``oracle.replays`` entry-point group (the built-in

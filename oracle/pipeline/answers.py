@@ -204,6 +204,14 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
                          "evidence": lv["text"], "framework": fw})  # fmt: skip
             continue
         on = d["onset"]
+        entered = next((x for x in d["calls"] if x["kind"] == "entry"), None)
+        if not on and entered:
+            module, where = _fed_by(d, entered, local.get(name))
+            rows.append({"run": name, "module": module, "direction": "forward", "source": "local replay (entry)",
+                         "framework": fw, "evidence": f"the hidden states entering {entered['input_of']} are "
+                         f"{entered['excess']:.1f}x their band against the float64 replay's, every recorded module "
+                         f"within its own: a forward error made outside the recorded modules, {where}"})  # fmt: skip
+            continue
         if not on:
             rows.append({"run": name, "module": None, "direction": None, "source": None, "framework": fw,
                          "evidence": c["verdict"].get("text", "")})  # fmt: skip
@@ -218,7 +226,7 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
         if entry.get("beyond") and not holder(module, local.get(name)):
             # the onset lies outside the recorded modules and what they receive from before them is wrong in the forward
             direction = "forward"
-            why = (f"the hidden states entering {entry['module']}, the first recorded module, are {entry['ratio']:.1f}x their "
+            why = (f"the hidden states entering {entry['module']} (an entry of the recorded modules) are {entry['ratio']:.1f}x their "
                    f"band against the float64 replay's (local replay): a forward error made before it")  # fmt: skip
         elif lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
@@ -270,6 +278,43 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
     if fw:
         parts.append(f"framework finding in {' and '.join(fw)} (below)")
     return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
+
+
+def _fed_by(d: dict[str, Any], entered: dict[str, Any], local: dict[str, Any] | None) -> tuple[str | None, str]:
+    """Where a forward error seen entering a recorded stack's first block was made, outside the recorded
+    modules; -> (the module or None, the place in words). The entry row's error split by the module that wrote
+    each token row (replay/local.py ``_entry_sources``: Qwen3-VL's image rows the merger's, the others the
+    token embedding's): the writer whose rows are furthest beyond their band. Without that split, the layers
+    after the entry's along the backward (the decision's order, loss end first) up to the next layer holding a
+    recorded module: the module of their largest-excess parameter."""
+    row = next((m for m in (local or {}).get("modules", []) if m["module"] == entered["name"]), {})
+    src = row.get("sources") or {}
+    if src:
+        best = max(src, key=lambda k: src[k]["ratio"])
+        said = ", ".join(f"{k} {v['ratio']:.1f}x" for k, v in sorted(src.items(), key=lambda kv: -kv[1]["ratio"]))
+        return best, f"in the rows each unrecorded module wrote, against their band: {said}"
+    entry = entered["input_of"]
+    recorded = [m["module"] for m in (local or {}).get("modules", []) if not m.get("entry") and not m.get("input_of")]
+    params = d.get("params") or []
+
+    def holds(layer: str, mods: list[str]) -> bool:
+        return any(p.get("layer") == layer and any(p["name"].startswith(m + ".") for m in mods) for p in params)
+
+    order = [r["name"] for r in d.get("layers") or []]
+    at = next((i for i, lay in enumerate(order) if holds(lay, [entry])), None)
+    if at is None:
+        return None, f"before {entry}"
+    between = []
+    for lay in order[at + 1:]:
+        if holds(lay, recorded):
+            break
+        between.append(lay)
+    cands = [p for p in params if p.get("layer") in between and p.get("excess") is not None]
+    if not cands:
+        return None, f"before {entry}"
+    worst = max(cands, key=lambda p: p["excess"])
+    return module_of(worst["name"]), (f"between the recorded modules and {entry} ({', '.join(between)}); largest "
+                                      f"gradient excess there {worst['name']} ({worst['excess']:.1f}x)")  # fmt: skip
 
 
 def holder(module: str, local: dict[str, Any] | None) -> dict[str, Any] | None:

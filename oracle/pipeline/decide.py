@@ -12,7 +12,8 @@ Evidence read, per run (the keys, so that other evidence can be merged in as row
     ``left_out``                  [{name, reason}]: gradients held but out of the verdict (the framework left
                                   them unreduced, no sum makes them whole, and no per-rank stage judged them)
   local document (score/local.py), per run: ``culprits`` (with its own calibrated threshold),
-    ``modules[*]``                module, direction, ratio, class
+    ``modules[*]``                module, direction, ratio, class; entry rows (``entry``: what a recorded
+                                  stack's first block receives from unrecorded modules) beyond are calls too
   ``runs[*]``                     name, num_tokens, rank_num_tokens (loss tokens per DP rank, merge.py)
 
 The rule: a run is faulty when any of its units is beyond T (a parameter, a layer: excess > T; a module
@@ -178,6 +179,13 @@ def decide_run(c: dict[str, Any], local: dict[str, Any] | None, run: dict[str, A
         m = mods.get(name, {})
         calls.append({"kind": "local", "name": name, "layer": None, "excess": m.get("ratio"),
                       "direction": m.get("direction")})  # fmt: skip
+    # an entry row beyond its threshold (replay/local.py: the hidden states a recorded stack's first block
+    # receives from unrecorded modules, against the float64 replay's, calibrated like every local row): a
+    # forward error made outside the recorded modules, a call of its own (answers.born places it)
+    for m in loc.get("modules", []):
+        if m.get("entry") and m.get("beyond"):
+            calls.append({"kind": "entry", "name": m["module"], "layer": None, "excess": m.get("ratio"),
+                          "direction": "forward", "input_of": m.get("input_of")})  # fmt: skip
     nonfinite = v.get("nonfinite_params") or []
     left_out = [{"name": x["name"], "why": x["reason"]} for x in c.get("left_out") or []]  # the scorer's, with its reason
     if v.get("class") == "oracle_non_finite":
@@ -191,7 +199,7 @@ def decide_run(c: dict[str, Any], local: dict[str, Any] | None, run: dict[str, A
     else:
         cls = WITHIN
     order = {r["name"]: i for i, r in enumerate(layers)}
-    e2e = sorted((x for x in calls if x["kind"] != "local"), key=lambda x: (order.get(x["layer"], len(order)), -x["excess"]))
+    e2e = sorted((x for x in calls if x["kind"] not in ("local", "entry")), key=lambda x: (order.get(x["layer"], len(order)), -x["excess"]))
     onset = None
     if e2e:
         lay = e2e[0]["layer"]
@@ -230,7 +238,7 @@ def call_text(d: dict[str, Any], shown: int = 3) -> str:
     words = []
     for x in calls[:shown]:
         ex = "non-finite" if x["excess"] is None or not math.isfinite(x["excess"]) else f"{x['excess']:.2f}x"
-        what = {"param": "", "layer": "layer ", "local": "local replay: "}[x["kind"]]
+        what = {"param": "", "layer": "layer ", "local": "local replay: ", "entry": "local replay, entering: "}[x["kind"]]
         words.append(f"{what}{x['name']} {ex}" + (f" ({x['direction']})" if x.get("direction") else ""))
     more = f" and {len(calls) - shown} more" if len(calls) > shown else ""
     return ", ".join(words) + more

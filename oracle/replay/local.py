@@ -40,7 +40,9 @@ One row per distinct value: the same tables handed to every layer are checked wh
 A wrong value there is a forward error born before M, in whatever computed it from the positions.
 The entry row ``E:hidden_states`` (``entry: true``): the hidden states the first recorded module E
 receives, made by the unrecorded modules before it (embeddings, a vision tower, its merger), rel L2
-against the float64 replay's, the emulated replay's as the band. It is evidence, not a culprit
+against the float64 replay's, the emulated replay's as the band. With two recorded stacks (a vision
+tower's blocks and the decoder layers, ``entries_of``) the first block of each later stack gets one too:
+what the decoder's first layer receives passes through the unrecorded merger and embeddings. It is evidence, not a culprit
 (score/local.py): a fault before E seen end to end is a forward one when this row is beyond T.
 
 Each row also counts the NaN/Inf in the device's boundary tensors of M (``nonfinite``: in, out,
@@ -253,7 +255,7 @@ def _inherited(cap: Bundle, names: list[str], kw: dict | None = None) -> dict[st
         recorders.append(ModuleRecorder(model, real))
         recorders[-1].__enter__()
         if kw is not None:
-            hooks.extend(_kw_inputs(model, real, kw, entry=entry_of(cap, real)))
+            hooks.extend(_kw_inputs(model, real, kw, entries=entries_of(cap, real)))
 
     try:
         run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
@@ -269,7 +271,8 @@ def _inherited(cap: Bundle, names: list[str], kw: dict | None = None) -> dict[st
         keys = [f"gout.{i}" for i in meta.get("grad_out", [])]
         dev = [cap.load(group, k) for k in keys if cap.has(group, k)]
         ref = [rec.tensors[n][k] for k in keys if k in rec.tensors[n]]
-        out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) else None
+        summed = (meta.get("megatron") or {}).get("grad_output_summed")  # not the step's gradient (megatron/boundaries.py)
+        out[n] = _rel(dev, ref) if dev and len(dev) == len(ref) and not summed else None
     out[LOSS] = 0.0 if LOSS in names else None  # the loss receives the constant 1: nothing to inherit
     return out
 
@@ -282,10 +285,10 @@ ENTRY = "hidden_states"  # the key of the entry row: what the first recorded mod
 
 
 def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[str, list[torch.Tensor]]],
-               stop: str | None = None, entry: str | None = None) -> list:  # fmt: skip
+               stop: str | None = None, entries: tuple[str, ...] = ()) -> list:  # fmt: skip
     """Forward pre-hooks keeping each module's gradient-free floating keyword inputs (first call), by key,
-    and ``entry``'s gradient-carrying positional ones as ``ENTRY``; ``stop``: the module whose inputs are
-    the last needed (raises ``_Enough`` after keeping them)."""
+    and the ``entries``' gradient-carrying positional ones as ``ENTRY``; ``stop``: the module whose inputs
+    are the last needed (raises ``_Enough`` after keeping them)."""
     hooks = []
     # one copy of a tensor handed to every layer (the rotary tables); the original is held with it, so that
     # its id cannot be taken by another tensor while the hooks run
@@ -305,7 +308,7 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
                     leaves, _ = tree_flatten(v)
                     if leaves and all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad for t in leaves):
                         store[n][k] = [keep(t) for t in leaves]
-                if n == entry:
+                if n in entries:
                     flat, _ = tree_flatten(args)
                     store[n][ENTRY] = [t.detach().to("cpu", copy=True) for t in flat
                                        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]  # fmt: skip
@@ -348,11 +351,27 @@ def _device_entry(cap: Bundle, name: str) -> list[torch.Tensor]:
     return [cap.load(group_name(name), f"in.{i}") for i in idx if isinstance(i, int) and i in grad_in and f"in.{i}" in stored]
 
 
-def entry_of(cap: Bundle, names: list[str]) -> str | None:
-    """The first recorded module in the forward (of ``names``): what it receives comes from unrecorded modules."""
+_STACKED = re.compile(r"^(.+)\.\d+$")  # a block of a numbered stack (``model.visual.blocks.3``): its stack
+
+
+def entries_of(cap: Bundle, names: list[str]) -> tuple[str, ...]:
+    """The modules whose hidden states get an entry row, in forward order: the first recorded module (what it
+    receives comes from unrecorded modules), and the first recorded block of each other numbered stack that
+    no recorded module holds (a vision tower's blocks and the decoder layers both recorded: the decoder's
+    first layer receives the embeddings and the vision tower's merger, unrecorded modules between them)."""
     mods = cap.manifest["modules"]
-    real = [n for n in names if n in mods and mods[n].get("order") is not None]
-    return min(real, key=lambda n: mods[n]["order"]) if real else None
+    real = sorted((n for n in names if n in mods and mods[n].get("order") is not None), key=lambda n: mods[n]["order"])
+    if not real:
+        return ()
+    out, stacks = [real[0]], set()
+    for n in real:
+        m = _STACKED.match(n)
+        if m is None or m[1] in stacks or any(n.startswith(o + ".") for o in real):
+            continue
+        stacks.add(m[1])
+        if n not in out:
+            out.append(n)
+    return tuple(out)
 
 
 def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[torch.Tensor]]], emulate: str) -> list[dict[str, Any]]:
@@ -360,8 +379,8 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     mods = cap.manifest["modules"]
     seen: list[tuple[str, str, list[torch.Tensor]]] = []  # (module, key, device value) checked already
     rows = []
-    entry = entry_of(cap, names)
-    if entry is not None:
+    entries = entries_of(cap, names)
+    for entry in entries:
         dev = _device_entry(cap, entry)
         ref = (truth.get(entry) or {}).get(ENTRY) or []
         if dev and len(dev) == len(ref) and all(a.shape == b.shape for a, b in zip(dev, ref)):
@@ -386,7 +405,7 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     hooks: list = []
 
     def instrument(model):
-        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entry=entry))
+        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entries=entries))
 
     # a merged Megatron capture's tables were made by the merge from the angles the ranks computed in float32
     # (integrations/megatron/boundaries.py): its honest member keeps float32 where the model code asks for it
@@ -412,7 +431,27 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
                      "truth_nonfinite": {"out": _nonfinite(ref), "gin": 0, "param": 0},
                      "fwd": metric(dev, ref), "expected_fwd": max([*m, floor]), "members_fwd": m, "floor": floor,
                      "metric": "rel_l2" if k == ENTRY else "max_rel", "entry": k == ENTRY})  # fmt: skip
+        if k == ENTRY and len(emu) == len(ref) == 1:
+            rows[-1]["sources"] = _entry_sources(cap, dev[0], ref[0], emu[0], floor)
     return rows
+
+
+def _entry_sources(cap: Bundle, dev: torch.Tensor, ref: torch.Tensor, emu: torch.Tensor, floor: float) -> dict[str, dict]:
+    """An entry row's error split by the unrecorded module that wrote each token row (``Recipe.entry_sources``):
+    per module, rel L2 over its rows (device and the emulated member, against the float64 replay's) and their
+    ratio, the member's as the band (at least ``floor``). {} where the recipe names one writer or the hidden
+    states are not (B, T, H) rows of the step's tokens."""
+    inputs = {n: cap.load("inputs", n) for n in cap.names("inputs") if n in ("input_ids", "tokens")}
+    if "input_ids" not in inputs and "tokens" in inputs:
+        inputs["input_ids"] = inputs["tokens"]
+    masks = recipe_of(cap).entry_sources(cap.manifest["recipe"]["config"], inputs)
+    out = {}
+    for module, mask in masks.items():
+        if dev.dim() != 3 or tuple(mask.shape) != tuple(dev.shape[:2]) or not bool(mask.any()):
+            return {}
+        e, x = _rel([dev[mask]], [ref[mask]]), _rel([emu[mask]], [ref[mask]])
+        out[module] = {"fwd": e, "expected_fwd": max(x, floor), "ratio": e / max(x, floor), "rows": int(mask.sum())}
+    return out
 
 
 def replay_local(

@@ -164,10 +164,14 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
         text = "no module beyond its expected local error" + (
             f"; largest {worst['module']} at {worst['ratio']:.2f}x" if worst else ""
         )
-    entry = next((r for r in rows if r.get("entry")), None)
+    # entry rows in forward order (replay/local.py entries_of: the first recorded module, and the first block of
+    # another recorded stack); the verdict quotes the earliest beyond, else the first
+    entries = sorted((r for r in rows if r.get("entry")), key=lambda r: (r.get("order") is None, r.get("order") or 0))
+    entry = next((r for r in entries if r["beyond"]), entries[0] if entries else None)
     if entry and entry["beyond"]:
-        text += (f"; the hidden states entering {entry['input_of']} (the first recorded module) are {entry['ratio']:.1f}x "
-                 "their band against the float64 replay's: a forward error made before the recorded modules")  # fmt: skip
+        first = "the first recorded module" if entry is entries[0] else "the first recorded block of its stack"
+        text += (f"; the hidden states entering {entry['input_of']} ({first}) are {entry['ratio']:.1f}x "
+                 "their band against the float64 replay's: a forward error made before it, outside the recorded modules")  # fmt: skip
     c = culprits[0] if culprits else None
     return {"entry": entry and {"module": entry["input_of"], "ratio": entry["ratio"], "beyond": entry["beyond"]},
             "culprit": c and c["module"], "direction": c and c["direction"], "class": c and c["class"], "text": text}

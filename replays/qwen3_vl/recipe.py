@@ -40,7 +40,10 @@ class Qwen3VLRecipe(Recipe):
     name = "qwen3-vl"
     embedded = tuple(flavors.FLAVORS)
     megatron_names = _vl_megatron_names()
-    megatron_modules = megatron_modules("language_model.decoder.layers.{i}", "model.language_model.layers.{i}")
+    # the decoder layers and their sub-modules; the vision blocks, HF modules ms-swift runs whole on every TP
+    # rank (oracle/integrations/megatron/boundaries.py ``_replica``; capture preset ``vit``)
+    megatron_modules = {**megatron_modules("language_model.decoder.layers.{i}", "model.language_model.layers.{i}"),
+                        "visual.visual.blocks.{i}": "model.visual.blocks.{i}"}  # fmt: skip
     fusable = {"Qwen3VLTextRMSNorm": "rms_norm", "Qwen3VLTextMLP": "swiglu_mlp",  # oracle/replay/fused.py (text decoder)
                "transformers.models.qwen3_vl.modeling_qwen3_vl.apply_rotary_pos_emb": "rotary"}  # fmt: skip
     # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder
@@ -127,6 +130,20 @@ class Qwen3VLRecipe(Recipe):
             "position_ids": text,
             "position_embeddings": position_embeddings,
         }
+
+    def entry_sources(self, config: dict[str, Any], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The image (video) tokens' rows come from the vision tower's merger (``get_placeholder_mask``), the
+        others from the token embedding."""
+        ids = inputs.get("input_ids")
+        if ids is None:
+            return {}
+        visual = torch.zeros_like(ids, dtype=torch.bool)
+        for key in ("image_token_id", "video_token_id"):
+            if config.get(key) is not None:
+                visual |= ids == int(config[key])
+        if not bool(visual.any()):
+            return {}
+        return {"model.visual.merger": visual, "model.language_model.embed_tokens": ~visual}
 
     def restrict_injected(self, model: nn.Module, keep: torch.Tensor) -> bool:
         """The deepstack features enter the hidden states at the visual positions of layers 0..k-1

@@ -42,6 +42,18 @@ Per mapped layer, from the ranks of its stage (TP rank order):
       The HF call gets None (causal) for an unpacked step, else that mask as a (B, 1, T, T) bool
       tensor, True = attends (what transformers' sdpa takes; local replay runs sdpa).
   parameter gradients: the merged ``grads`` (merge.py: TP shards merged, SP partial sums summed).
+Modules outside the decoder layers that the recipe's table maps (ms-swift's Qwen3-VL vision blocks,
+``visual.visual.blocks.{i}`` -> ``model.visual.blocks.{i}``, preset ``vit`` of hook.py) are Hugging Face
+modules the framework holds whole on every TP rank (runinfo.py) and calls in their own form: their
+recorded call is the HF module's (inputs, keywords and output as they are, no [s, b, h] layout). Their
+inputs and outputs must agree on every TP rank (AGREEMENT, else unmapped); their gradients follow the
+replicated parameters' rule (replicas.py): copies that agree are one gradient (rank 0's), copies that
+differ are per-rank parts the framework never reduced (ms-swift slices the deepstack features per SP
+rank, so the blocks that feed them receive a different grad_output on each rank) and are summed in
+float64. The local backward is linear in the grad_output, so from that sum it yields sum_r of each
+rank's parameter gradient: the merged ``grads`` of those parameters (replicas.py), like for like. Such a
+sum is not the step's gradient (the part every rank received whole is counted TP times): the entry says
+``megatron.grad_output_summed`` and nothing compares it with the step's (replay/local.py ``inherited``).
 What cannot be mapped exactly is not mapped, and ``megatron.boundaries.unmapped`` says why (a
 module the recipe has no template or call for, rotary cos/sin passed precomputed, cross-attention
 context, an attention bias, a mask that is not the step's, post-finalize bundles whose parameter
@@ -126,9 +138,41 @@ def _role(name: str, ranks: list) -> str:
     return ROLES[below]
 
 
+def _replica(name: str, ranks: list) -> tuple[dict, dict]:
+    """A Hugging Face module held whole on every TP rank, recorded in its own call form (module docstring)."""
+    meta = ranks[0].manifest["modules"][name]
+    group = group_name(name)
+    stored = [set(b.names(group)) for b in ranks]
+    if any(s != stored[0] for s in stored[1:]):
+        raise _Unmapped("its TP ranks recorded different tensors for it (over the capture budget on some ranks)")
+    if "out.0" not in stored[0] or "gout.0" not in stored[0]:
+        raise _Unmapped("TP rank 0 recorded no output or grad_output for it (over the capture budget, or not called)")
+    tensors: dict[str, torch.Tensor] = {}
+    summed = False
+    for key in sorted(stored[0]):
+        copies = [b.load(group, key) for b in ranks]
+        agree = all(t.shape == copies[0].shape and (not t.is_floating_point() or _rel(t, copies[0]) <= AGREEMENT)
+                    for t in copies[1:])  # fmt: skip
+        if key.startswith(("in.", "out.")):
+            if not agree:
+                raise _Unmapped(f"its {key} differs between TP ranks: not a module held whole on every rank")
+            tensors[key] = copies[0]
+        elif agree:
+            tensors[key] = copies[0]
+        else:  # per-rank parts of a gradient the framework never reduced: their sum, in float64
+            tensors[key] = torch.stack([t.double() for t in copies]).sum(0).to(copies[0].dtype)
+            summed = True
+    entry = {k: meta[k] for k in ("calls", "order", "in_spec", "in_static", "grad_in", "grad_out", "no_grad_calls",
+                                  "recomputed_calls") if k in meta}  # fmt: skip
+    entry["megatron"] = {"module": name, "call": "replica", "grad_output_summed": summed}
+    return entry, tensors
+
+
 def _layer(name: str, hf: str, ranks: list, sp: bool, inputs: dict[str, torch.Tensor], recipe, seq: int) -> tuple[dict, dict]:
     m0 = ranks[0].manifest
     meta = m0["modules"][name]
+    if _BELOW.search(strip_wrappers(name)) is None:  # mapped by the recipe's table outside the decoder layers
+        return _replica(name, ranks)
     role = _role(name, ranks)
     leaves = ((m0["megatron"].get("modules") or {}).get("leaves") or {}).get(name)
     if not leaves:
@@ -241,11 +285,15 @@ def merge_boundaries(
                     raise _Unmapped(f"recorded on some TP ranks of stage {p} only")
                 if names is None:
                     raise _Unmapped(f"recipe {recipe.name!r} has no megatron_modules table")
-                _role(gname, ranks)  # a module no single HF module matches: unmapped, with why
+                inside = _BELOW.search(gname) is not None
+                if inside:
+                    _role(gname, ranks)  # a module no single HF module matches: unmapped, with why
                 try:
                     hf = names.to_hf(gname)[0]
                 except RecipeError:
-                    raise _Unmapped(f"recipe {recipe.name!r} maps no HF module to it (megatron_modules)") from None
+                    raise _Unmapped(f"recipe {recipe.name!r} maps no HF module to it (megatron_modules)" if inside else
+                                    "only decoder layers (TransformerLayer), their sub-modules and the Hugging Face "
+                                    f"modules recipe {recipe.name!r} maps (megatron_modules) are mapped") from None  # fmt: skip
                 entry, tensors = _layer(name, hf, ranks, sp, inputs, recipe, seq)
             except _Unmapped as e:
                 record["unmapped"].append({"module": gname, "why": str(e)})

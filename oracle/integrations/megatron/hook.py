@@ -66,7 +66,8 @@ _MODEL_FIELDS = ("vocab_size", "share_embeddings_and_output_weights", "rotary_ba
 _LAYER = re.compile(r"layers\.(\d+)$")
 #: Module selections by mcore name (``ORACLE_CAPTURE_MODULES``, ``record_modules``): preset -> regex.
 #: ``layers``: the decoder layers (``...decoder.layers.N``, the language model's TransformerLayers).
-MODULE_PRESETS = {"layers": r"(^|\.)decoder\.layers\.\d+$"}
+MODULE_PRESETS = {"layers": r"(^|\.)decoder\.layers\.\d+$",  # the decoder layers (TransformerLayer)
+                  "vit": r"(^|\.)visual\.blocks\.\d+$"}  # a vision tower's blocks (ms-swift's Qwen3-VL: the HF ViT)
 
 
 def module_selection(model: nn.Module, selection: str) -> list[str]:
