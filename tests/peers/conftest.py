@@ -154,3 +154,18 @@ def sub_judged(tmp_path_factory):
     return Judged(root, capture("H20", root / "h20", {"ORACLE_CAPTURE_MODULES": SUB_MODULES, "SWIFT_PEER_FAULT": MLP_FAULT}),
                   lambda faults, folder: capture("910B", folder, {"ORACLE_CAPTURE_MODULES": SUB_MODULES,
                                                                   **({"TORCH_NPU_STANDIN_FAULTS": faults} if faults else {})}))
+
+
+VIT_MODULES = "layers,vit"  # the decoder layers and the vision blocks (hook.py MODULE_PRESETS)
+VIT_FAULT = "vit-fwd:0:1.1"  # tests/swift/peer.py plant_fault: vision block 0's output x1.1 inside its forward
+
+
+@pytest.fixture(scope="session")
+def vit_judged(tmp_path_factory):
+    """The UNPACKED step with the decoder layers' and the vision blocks' boundaries on both paths, judged: the
+    H20 run with ``VIT_FAULT`` planted (A) vs the 910B one with ``faults`` planted in the stand-in."""
+    need("h20"), need("910b")
+    root = tmp_path_factory.mktemp("two-paths-vit")
+    return Judged(root, capture("H20", root / "h20", {"ORACLE_CAPTURE_MODULES": VIT_MODULES, "SWIFT_PEER_FAULT": VIT_FAULT}),
+                  lambda faults, folder: capture("910B", folder, {"ORACLE_CAPTURE_MODULES": VIT_MODULES,
+                                                                  **({"TORCH_NPU_STANDIN_FAULTS": faults} if faults else {})}))

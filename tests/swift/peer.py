@@ -184,11 +184,23 @@ def plant_fault(model, spec: str) -> None:
     """A device fault planted in the run (test code), from ``SWIFT_PEER_FAULT``:
     ``mlp-grad:K:F``: the gradient arriving at decoder layer K's MLP output is multiplied by F in the
     backward (the forward value is bitwise unchanged: ``y.detach() + (y - y.detach()) * F``), as a
-    wrong scale in one MLP's backward kernel would; K is the stage-local layer index."""
+    wrong scale in one MLP's backward kernel would; K is the stage-local layer index.
+    ``vit-fwd:K:F``: vision block K's output is multiplied by F inside its own forward (its instance
+    ``forward`` wrapped, so what the block returns is wrong for every observer, the capture's recorder
+    too), as a wrong kernel in the block would."""
     kind, layer, factor = spec.split(":")
-    assert kind == "mlp-grad", spec
-    mlp = model.language_model.decoder.layers[int(layer)].mlp
+    assert kind in ("mlp-grad", "vit-fwd"), spec
     f = float(factor)
+    if kind == "vit-fwd":
+        block = model.visual.visual.blocks[int(layer)]
+        inner = block.forward
+
+        def forward(*args, **kwargs):
+            return inner(*args, **kwargs) * f
+
+        block.forward = forward
+        return
+    mlp = model.language_model.decoder.layers[int(layer)].mlp
 
     def hook(module, args, output):
         y, bias = output

@@ -339,3 +339,49 @@ def test_an_onset_outside_the_recorded_layers_of_a_megatron_run_never_gets_the_c
         assert a3["per_run"][0]["module"].startswith("model.visual.merger") and a3["per_run"][0]["direction"] == "forward"
         r = a4["per_run"][0]
         assert r["class"] is None and says in r["settle"] and "=layers" not in r["settle"], r["settle"]
+
+
+def _entry_local(ratio, sources=None):
+    """A local replay whose recorded modules (vision blocks, decoder layers) are all within, and whose entry row
+    into decoder layer 0 (what the token embedding and the merger wrote) is at ``ratio`` its band."""
+    within = [{"module": m, "ratio": 0.8, "direction": None, "class": "within_noise", "beyond": False}
+              for m in ("model.layers.3", "model.layers.2", "model.layers.1", "model.layers.0")]  # fmt: skip
+    entry = {"module": "model.layers.0:hidden_states", "input_of": "model.layers.0", "entry": True, "ratio": ratio,
+             "beyond": ratio > 2.5, "direction": "forward" if ratio > 2.5 else None, "order": 3}  # fmt: skip
+    if sources:
+        entry["sources"] = sources
+    return {"B": {"culprits": [], "threshold": {"value": 2.5}, "modules": [*within, entry],
+                  "verdict": {"culprit": None, "direction": None, "text": "no module beyond",
+                              "entry": {"module": "model.layers.0", "ratio": ratio, "beyond": ratio > 2.5}}}}  # fmt: skip
+
+
+def test_an_entry_beyond_its_band_alone_makes_the_run_faulty_placed_in_the_module_that_wrote_its_rows():
+    """Every gradient and every recorded module within (a 3 % forward scale of the vision merger: its gradients
+    0.7-1.0x their band), the hidden states entering decoder layer 0 5.5x theirs: faulty, forward, born in the
+    module whose rows carry the error (the image rows, the merger's: 6.1x, the text rows 0.9x). Within its band,
+    the same run is honest."""
+    cap = _capture("B", seed=3)
+    src = {"model.visual.merger": {"ratio": 6.1}, "model.embed_tokens": {"ratio": 0.9}}
+    d, a1, a3, _, head = _judge([cap], local=_entry_local(5.5, src))
+    row = a3["per_run"][0]
+    assert d["faulty"] == ["B"] and row["module"] == "model.visual.merger" and row["direction"] == "forward", row
+    assert row["source"] == "local replay (entry)" and "model.visual.merger 6.1x" in row["evidence"], row
+    assert head.startswith("answer: B is faulty") and "born in model.visual.merger (forward)" in head, head
+    assert any(x["kind"] == "entry" for x in d["per_run"][0]["calls"])
+    d, _, _, _, head = _judge([cap], local=_entry_local(1.1, src))
+    assert d["faulty"] == [] and "honest" in head, head
+
+
+def test_an_entry_beyond_without_row_writers_is_placed_in_the_unrecorded_layers_before_it():
+    """No split of the entry's rows (a recipe with one writer): the layers after the entry's along the backward up
+    to the next layer holding a recorded module; the module of their largest-excess parameter."""
+    cap = _capture("B", seed=3, plant=("model.layers.0.mlp.gate_proj.weight", 1.0))
+    cap["layers"].append({"name": "model.embed_tokens", "band": 1e-2, "excess": 0.5, "class": "within_noise",
+                          "members": [1e-2, 1e-2], "rel_l2": 5e-3, "worst_param": "model.embed_tokens.weight"})  # fmt: skip
+    cap["params"].append({"name": "model.embed_tokens.weight", "layer": "model.embed_tokens", "band": 1e-2, "excess": 0.9,
+                          "class": "within_noise", "members": [1e-2, 1e-2], "rel_l2": 9e-3, "ref_norm": 1.0, "norm": 1.0,
+                          "cosine": 1.0, "norm_ratio": 1.0, "nonfinite": 0})  # fmt: skip
+    _, _, a3, _, _ = _judge([cap], local=_entry_local(5.5))
+    row = a3["per_run"][0]
+    assert row["module"] == "model.embed_tokens" and row["direction"] == "forward", row
+    assert "(model.embed_tokens)" in row["evidence"], row["evidence"]
