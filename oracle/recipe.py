@@ -44,6 +44,10 @@ class Recipe:
     #: module class name -> fused float64 kernel ("rms_norm", "swiglu_mlp") the oracle may swap in for its
     #: forward (oracle/replay/fused.py); empty: the model code runs as it is
     fusable: dict[str, str] = {}
+    #: regex over a block's child names: the branches whose output the block adds into its residual stream
+    #: (a pre-norm decoder layer's attention and MLP); the local replay splits a block's forward error along
+    #: their outputs (replay/local.py ``_branch_coefs``). None: no split
+    residual_branches: str | None = None
 
     def accepts(self, hf_config: dict[str, Any]) -> bool:
         """Whether a local Hugging Face directory with this config.json belongs to this recipe."""

@@ -256,10 +256,18 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
         else:
             direction = None
             why = "no recorded loss to tell forward from backward" if not lc else "the onset is at the loss end"
+        fb = _forward_branch(module, local.get(name))
+        fb = fb if fb and direction != "forward" else None
+        if fb:
+            # the locally replayed block holding the onset split its forward error along its residual branches, and
+            # one branch's output is off beyond its members' (score/local.py, Branches): a forward fault there,
+            # whose scaled output scales its gradients too (which alone would read as a backward fault)
+            direction, module, confined = "forward", fb["module"], None
+            why = fb["text"]
         evidence = (f"end to end: first out of band along the backward at {on['layer']} ({on['excess']:.1f}x its band), "
                     f"largest there in {on['param']} ({on['param_excess']:.1f}x); {on['stays_out']}/{on['after']} "
                     f"layers after stay out; {why}")  # fmt: skip
-        held = holder(module, local.get(name))
+        held = None if fb else holder(module, local.get(name))  # the branch's evidence already says what the replay saw
         if held:
             evidence += (f"; {held['module']} was replayed alone and stays below its local threshold ({held['text']}): "
                          f"there its parameter gradients are one pooled unit, in which {on['param']} is diluted, so the "
@@ -278,6 +286,21 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
     if fw:
         parts.append(f"framework finding in {' and '.join(fw)} (below)")
     return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
+
+
+def _forward_branch(module: str, local: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The residual branch whose forward output is off (score/local.py ``forward_branch``) in the locally
+    replayed block that holds ``module``, with the evidence in words; None without one."""
+    rows = [m for m in (local or {}).get("modules", []) if m.get("forward_branch")
+            and (module == m["module"] or module.startswith(m["module"] + "."))]  # fmt: skip
+    if not rows:
+        return None
+    m = max(rows, key=lambda r: len(r["module"]))
+    b = m["branches"][m["forward_branch"]]
+    return {"module": m["forward_branch"], "text": (
+        f"replayed alone, {m['module']}'s forward error holds {b['coef']:+.4f} x {m['forward_branch']}'s own output, "
+        f"{b['ratio']:.1f}x its honest members' (read forward above {b['threshold']:.1f}x): that branch's forward output "
+        "is off, and a scaled output scales its gradients with it")}  # fmt: skip
 
 
 def _fed_by(d: dict[str, Any], entered: dict[str, Any], local: dict[str, Any] | None) -> tuple[str | None, str]:

@@ -126,9 +126,11 @@ class _Worker:
         self._live[dtype] = name
         return module
 
-    def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None) -> dict[str, list[torch.Tensor]]:
+    def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None,
+            branches: tuple[str, ...] = ()) -> dict[str, list[torch.Tensor]]:  # fmt: skip
         """Module ``name`` under ``dtype`` from the device's inputs and grad_outputs (inside ``mode``
-        when given: explain.py's per-op-class modes, on the ``dtype`` model)."""
+        when given: explain.py's per-op-class modes, on the ``dtype`` model); ``branches``: children whose
+        first output tensor is kept (as ``branch.CHILD``, float64)."""
         compute, round_to, ops = emulation(dtype)
         meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
         group = group_name(name if name != LOSS else "lm_head")
@@ -172,12 +174,24 @@ class _Worker:
         args, kwargs = tree_unflatten(leaves, spec)
         module = self.module(dtype, name)
         module.zero_grad(set_to_none=True)
-        with mode:
-            out = module(*args, **kwargs)
-            outs, _ = tree_flatten(out)
-            pairs = [(outs[i], load(f"gout.{i}")) for i in meta.get("grad_out", []) if f"gout.{i}" in stored]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        kept: dict[str, torch.Tensor] = {}
+
+        def keep(child, args, out, c=""):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(t, torch.Tensor):
+                kept[c] = t.detach().double().clone()
+
+        hooks = [module.get_submodule(c).register_forward_hook(lambda m, a, o, c=c: keep(m, a, o, c)) for c in branches]
+        try:
+            with mode:
+                out = module(*args, **kwargs)
+                outs, _ = tree_flatten(out)
+                pairs = [(outs[i], load(f"gout.{i}")) for i in meta.get("grad_out", []) if f"gout.{i}" in stored]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            for h in hooks:
+                h.remove()
         out_t = [o.detach() for o in outs if isinstance(o, torch.Tensor)]
         gin = []
         for i in meta.get("grad_in", []):
@@ -187,7 +201,8 @@ class _Worker:
                     g = g.to(round_to).to(compute)  # the device accumulates this gradient in its own format
                 gin.append(g)
         params = [(f"{name}.{pn}", p.grad) for pn, p in module.named_parameters() if p.grad is not None]
-        return {"out": out_t, "gin": gin, "param": [g for _, g in params], "param_names": [n for n, _ in params]}
+        return {"out": out_t, "gin": gin, "param": [g for _, g in params], "param_names": [n for n, _ in params],
+                "branches": kept}  # fmt: skip
 
     def device(self, name: str, param_names: list[str]) -> dict[str, list[torch.Tensor]]:
         meta = self.cap.manifest["modules"][name if name != LOSS else "lm_head"]
@@ -217,10 +232,37 @@ def _worker(capture: str) -> _Worker:
     return _STATE[capture]
 
 
+def _branches_of(w: _Worker, name: str) -> tuple[str, ...]:
+    """The children of module ``name`` the recipe names as residual branches (``Recipe.residual_branches``)."""
+    rx = getattr(w.recipe, "residual_branches", None)
+    if not rx or name == LOSS:
+        return ()
+    return tuple(c for c, _ in w.model("fp64").get_submodule(name).named_children() if re.search(rx, c))
+
+
+def _branch_coefs(err: torch.Tensor, outs: list[torch.Tensor]) -> list[float] | None:
+    """Least squares of a block's forward error on its residual branches' outputs (float64 truths):
+    err ~ sum_j a_j o_j, from the normal equations G a = b, G_ij = <o_i, o_j>, b_i = <o_i, err> (dot products
+    only: no (N, k) stack at 8B x 64k tokens). A branch whose output came out (1 + s) times too large in the
+    device's forward gives a_j = s; an honest device's roundings, and a fault in the backward, give a_j near 0
+    (the members' a_j are that null). None: shapes differ or G is singular."""
+    if any(o.shape != err.shape for o in outs):
+        return None
+    e = err.reshape(-1).double()
+    flat = [o.reshape(-1) for o in outs]
+    g = torch.tensor([[float(a @ b) for b in flat] for a in flat], dtype=torch.float64)
+    b = torch.tensor([float(a @ e) for a in flat], dtype=torch.float64)
+    try:
+        return torch.linalg.solve(g, b).tolist()
+    except RuntimeError:  # singular: a branch that outputs zeros, or two that output the same
+        return None
+
+
 def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[str, Any]:
     w = _worker(capture)
     meta = w.cap.manifest["modules"].get(name if name != LOSS else "lm_head", {})
-    truth = w.run(name, "fp64", None)
+    branches = _branches_of(w, name) if meta.get("calls", 1) == 1 else ()
+    truth = w.run(name, "fp64", None, branches=branches)
     dev = w.device(name, truth.get("param_names", []))
     row: dict[str, Any] = {"module": name, "calls": meta.get("calls", 1), "order": meta.get("order")}
     if name == LOSS:
@@ -232,12 +274,22 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
     for k in keys:
         row[labels[k]] = _rel(dev[k], truth[k]) if len(dev[k]) == len(truth[k]) else None
     expected: dict[str, list[float]] = {labels[k]: [] for k in keys}
+    kept = [truth["branches"].get(c) for c in branches]
+    split = branches and all(o is not None for o in kept) and len(dev["out"]) == len(truth["out"]) >= 1
+    coefs = _branch_coefs(dev["out"][0].double() - truth["out"][0], kept) if split else None
+    null: list[list[float]] = []
     for m in range(members):
         emu = w.run(name, emulate, None if m == 0 else 2000 + m)
         for k in keys:
             v = _rel(emu[k], truth[k]) if len(emu[k]) == len(truth[k]) else None
             if v is not None:
                 expected[labels[k]].append(v)
+        if coefs is not None:
+            c = _branch_coefs(emu["out"][0].double() - truth["out"][0], kept)
+            if c is not None:
+                null.append(c)
+    if coefs is not None and null:  # score/local.py reads the direction from them
+        row["branches"] = {f"{name}.{c}": {"coef": coefs[j], "members": [x[j] for x in null]} for j, c in enumerate(branches)}
     for lab, vals in expected.items():
         row[f"expected_{lab}"] = max(vals) if vals else None
         row[f"members_{lab}"] = vals  # each member's error: the null of the threshold (score/calibrate.py)

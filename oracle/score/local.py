@@ -21,6 +21,16 @@ at least the end-to-end fidelity 2.0x), else in its backward: a backward fault l
 forward output honest, so the choice between the two needs no family-wise correction. A pseudo-module
 ``M:key`` (an input made outside the recorded modules, replay/local.py) is always forward.
 
+Branches: a block whose forward error the local replay split along its residual branches' outputs
+(replay/local.py ``_branch_coefs``: err ~ sum_j a_j o_j, the members' a_j its null) gets per branch
+    ratio_j = |a_j| / max(max_k |a_j,k|, COEF_FLOOR),   forward_j = ratio_j > calibrate.loss_threshold(K,
+              DIRECTION_ALPHA / branches, LOCAL_FIDELITY)
+(a_j is one scalar per unit, as the loss: its own null, not the pooled sigma). It is a direction, never a
+finding: where a block is called (locally or end to end), a branch out of its honest range says the error
+is in that branch's forward output (a branch's output scaled by 1 + s gives a_j = s; a backward fault,
+a_j near 0). Measured on the packed step (910B path, layer 3's MLP output x1.03): a = 0.0302, 25x its
+members' (honest layers <= 1.5x), where the layer's whole output sat at 1.11x its band.
+
 Culprits: modules beyond the margin; a module containing a culprit submodule yields to it (the
 error is born inside the child). Order: non-finite births first -- forward births in forward order,
 then backward births in backward order (the first the backward reaches first) -- then the others
@@ -40,6 +50,7 @@ from . import calibrate
 from .tolerance import check_margin, row, table
 
 KEYS = ("fwd", "bwd", "param")
+COEF_FLOOR = 1e-6  # a branch coefficient's smallest band: a member whose a_j landed on 0 by chance
 BEYOND, WITHIN, NONFINITE = "beyond_noise", "within_noise", "non_finite"
 
 
@@ -87,6 +98,10 @@ def score_local(
     margin = thr["value"]
     thr["direction"] = calibrate.direction_threshold(thr)
     rows = [_score_row(dict(r), tol["floor"], margin, thr["direction"]) for r in raw]
+    for r in rows:
+        _score_branches(r)
+        if r["beyond"] and r["direction"] == "backward" and r["forward_branch"]:  # a branch's forward output is off
+            r["direction"], r["worst"], r["born_in"] = "forward", "fwd", r["forward_branch"]
     beyond = [r for r in rows if r["beyond"] and not r.get("entry")]  # the entry row is evidence (replay/local.py)
     names = {r["module"] for r in beyond}
     culprits = [r for r in beyond if not any(o != r["module"] and o.startswith(r["module"] + ".") for o in names)]
@@ -131,6 +146,24 @@ def _score_row(r: dict[str, Any], floor: float, margin: float, direction_t: floa
     return r
 
 
+def _score_branches(r: dict[str, Any]) -> None:
+    """Each residual branch's coefficient against its members' (module docstring, Branches); ``r["forward_branch"]``:
+    the branch furthest beyond its threshold, or None."""
+    br = r.get("branches") or {}
+    r["forward_branch"] = None
+    if not br:
+        return
+    k = min(len(b["members"]) for b in br.values())
+    if k < 1:
+        return
+    t = calibrate.loss_threshold(k, calibrate.DIRECTION_ALPHA / len(br), calibrate.LOCAL_FIDELITY)
+    for b in br.values():
+        b["ratio"] = abs(b["coef"]) / max(max(abs(x) for x in b["members"]), COEF_FLOOR)
+        b["threshold"], b["forward"] = t, b["ratio"] > t
+    fwd = [n for n, b in br.items() if b["forward"]]
+    r["forward_branch"] = max(fwd, key=lambda n: br[n]["ratio"]) if fwd else None
+
+
 def _culprit_key(r: dict[str, Any]) -> tuple:
     order = r.get("order")
     order = order if order is not None else math.inf
@@ -152,6 +185,11 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
             text = (f"culprit: {c['module']} (forward): the {c['key']} {c['input_of']} received are {c['ratio_fwd']:.1f}x "
                     f"the error an honest {emulated} run makes in them, against the float64 replay's from the step's own "
                     "inputs: made wrong before it, outside the recorded modules (what computes them from the positions)")  # fmt: skip
+        elif c.get("born_in"):
+            b = c["branches"][c["born_in"]]
+            text = (f"culprit: {c['born_in']} (forward): {c['module']} is {c['ratio']:.1f}x the error an honest {emulated} "
+                    f"run makes in it alone, and its forward error holds {b['coef']:+.4f} x {c['born_in']}'s own output "
+                    f"({b['ratio']:.1f}x its members', forward above {b['threshold']:.1f}x)")  # fmt: skip
         else:
             what = {"fwd": "forward output", "bwd": "input gradients", "param": "parameter gradients"}.get(c.get("worst"), where)
             ratio = c.get(f"ratio_{c.get('worst')}") or c["ratio"]
@@ -174,4 +212,5 @@ def _verdict(rows: list[dict[str, Any]], culprits: list[dict[str, Any]], emulate
                  "their band against the float64 replay's: a forward error made before it, outside the recorded modules")  # fmt: skip
     c = culprits[0] if culprits else None
     return {"entry": entry and {"module": entry["input_of"], "ratio": entry["ratio"], "beyond": entry["beyond"]},
-            "culprit": c and c["module"], "direction": c and c["direction"], "class": c and c["class"], "text": text}
+            "culprit": c and (c.get("born_in") or c["module"]), "direction": c and c["direction"], "class": c and c["class"],
+            "text": text}  # fmt: skip

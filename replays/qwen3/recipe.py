@@ -72,6 +72,7 @@ class Qwen3Recipe(Recipe):
     embedded = tuple(flavors.FLAVORS)
     megatron_names = MEGATRON_NAMES
     megatron_modules = megatron_modules("decoder.layers.{i}", "model.layers.{i}")
+    residual_branches = r"^(self_attn|mlp)$"  # a decoder layer: h + attn(norm(h)), then + mlp(norm(.))
     fusable = {"Qwen3RMSNorm": "rms_norm", "Qwen3MLP": "swiglu_mlp",  # oracle/replay/fused.py
                "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb": "rotary"}  # fmt: skip
 

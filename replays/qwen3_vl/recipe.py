@@ -44,6 +44,7 @@ class Qwen3VLRecipe(Recipe):
     # rank (oracle/integrations/megatron/boundaries.py ``_replica``; capture preset ``vit``)
     megatron_modules = {**megatron_modules("language_model.decoder.layers.{i}", "model.language_model.layers.{i}"),
                         "visual.visual.blocks.{i}": "model.visual.blocks.{i}"}  # fmt: skip
+    residual_branches = r"^(self_attn|attn|mlp)$"  # decoder layers (self_attn, mlp) and vision blocks (attn, mlp)
     fusable = {"Qwen3VLTextRMSNorm": "rms_norm", "Qwen3VLTextMLP": "swiglu_mlp",  # oracle/replay/fused.py (text decoder)
                "transformers.models.qwen3_vl.modeling_qwen3_vl.apply_rotary_pos_emb": "rotary"}  # fmt: skip
     # transformers 5 ships only the embedding in Qwen3VLTextConfig.base_model_tp_plan; the decoder

@@ -99,9 +99,13 @@ def test_honest_captures_rank_no_module_beyond_its_band(local_of, precision):
     kinds = {r["module"] for r in res["modules"]}
     assert {"loss", "lm_head", "model.visual.merger", "model.visual.blocks.0",
             "model.language_model.layers.0.self_attn", "model.visual.deepstack_merger_list.1"} <= kinds  # fmt: skip
-    # the rotary tables are checked once where they enter (the text's and the ViT's), honest here
+    # the rotary tables are checked once where they enter (the text's and the ViT's), and the hidden states
+    # entering the first block of each recorded stack (replay/local.py entries_of), honest here
     inputs = {r["module"]: r for r in res["modules"] if r.get("input_of")}
-    assert set(inputs) == {"model.language_model.layers.0:position_embeddings", "model.visual.blocks.0:position_embeddings"}, inputs
+    assert set(inputs) == {"model.language_model.layers.0:position_embeddings", "model.visual.blocks.0:position_embeddings",
+                           "model.language_model.layers.0:hidden_states", "model.visual.blocks.0:hidden_states",
+                           "model.visual.deepstack_merger_list.0:hidden_states"}, inputs  # fmt: skip
+    assert {r["module"] for r in inputs.values() if r.get("entry")} == {n for n in inputs if n.endswith(":hidden_states")}
     assert all(r["ratio"] <= res["threshold"]["direction"] for r in inputs.values()), inputs
     row = next(r for r in res["modules"] if r["module"] == "model.language_model.layers.3")
     assert row["inherited"] > 0 and row["fwd"] is not None and row["bwd"] is not None and row["param"] is not None
@@ -168,6 +172,6 @@ def test_what_enters_the_first_recorded_module_tells_a_forward_fault_before_it(s
     res = score_local(Bundle(replay_local(cap, tmp_path / "l")))
     entry = res["verdict"]["entry"]
     assert entry["module"] == "model.language_model.layers.0" and entry["beyond"] is beyond, res["verdict"]
-    assert res["culprits"] == [] and ("a forward error made before the recorded modules" in res["verdict"]["text"]) is beyond
+    assert res["culprits"] == [] and ("a forward error made before it, outside the recorded modules" in res["verdict"]["text"]) is beyond
     if not beyond:
         assert entry["ratio"] < 1.5, entry  # an emulated member of the same precision: the honest ratio sits near 1
