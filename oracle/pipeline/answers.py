@@ -35,6 +35,7 @@ import re
 from typing import Any
 
 from ..score import bound as bound_mod
+from ..score import calibrate
 from ..score.calibrate import FIDELITY
 from ..score.local import input_row
 from . import decide as decide_mod
@@ -452,6 +453,21 @@ def _module_scale(c: dict[str, Any], module: str, onset: str | None, t: float) -
     return rows[0]
 
 
+def _forward_scale(module: str, local: dict[str, Any] | None) -> str | None:
+    """A forward output that is one factor of the truth's (replay/local.py ``fwd_scale``): what is left after
+    scaling by c is within the module's honest forward error x the local fidelity, while the output as it is
+    is not; in words, else None."""
+    row = next((m for m in (local or {}).get("modules", []) if m["module"] == module), None)
+    if not row or row.get("fwd_scale") is None or not row.get("expected_fwd"):
+        return None
+    band = row["expected_fwd"] * calibrate.LOCAL_FIDELITY
+    if row["fwd_after_scaling"] > band or row["fwd"] <= band:
+        return None
+    return (f"{module}'s forward output is {row['fwd_scale']:.6g}x the truth's (rel L2 {row['fwd']:.2e}, after scaling "
+            f"{row['fwd_after_scaling']:.2e}, within its honest {row['expected_fwd']:.2e} x {calibrate.LOCAL_FIDELITY:g}): a "
+            "scale of the output, which no op's rounding makes")  # fmt: skip
+
+
 def _settle(module: str, direction: str | None, local: dict[str, Any] | None) -> tuple[str, bool]:
     """(the capture that settles it, whether it was already made): a sub-module capture of ``module`` unless
     its sub-modules were already replayed locally; the advice names the direction at fault."""
@@ -501,11 +517,14 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
                    "source": "explain", "text": ex["text"]}  # fmt: skip
             path = _path_class(c, b["module"]) if direction == "backward" else None
             scale = _module_scale(c, b["module"], b.get("onset_param"), t) if row["class"] is None else None
-            if scale:
+            fs = _forward_scale(b["module"], (local or {}).get(b["run"])) if row["class"] is None and direction == "forward" else None
+            if fs:
+                path = {"class": "scaling", "text": fs, "source": "explain, then the forward output"}
+            elif scale:
                 path = {"class": "scaling", "text": f"{scale['name']} is {scale['norm_ratio']:.6g}x the truth's gradient with "
                                                     f"its direction within noise: a scale"}  # fmt: skip
             if row["class"] is None and path:
-                row.update({"class": path["class"], "source": "explain, then the gradient path",
+                row.update({"class": path["class"], "source": path.get("source", "explain, then the gradient path"),
                             "text": f"no op class's rounding reproduces the error (best {ex['top']}, {top['share_only']:.0%}): "
                                     f"a wrong result, not a precision; {path['text']}"})  # fmt: skip
             if row["class"] is None:

@@ -54,6 +54,7 @@ Modules are independent, so ``workers > 1`` replays them in separate processes.
 
 from __future__ import annotations
 
+import math
 import re
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -288,6 +289,14 @@ def replay_module(capture: str, name: str, emulate: str, members: int) -> dict[s
             c = _branch_coefs(emu["out"][0].double() - truth["out"][0], kept)
             if c is not None:
                 null.append(c)
+    if len(dev["out"]) == len(truth["out"]) >= 1 and dev["out"][0].shape == truth["out"][0].shape:
+        # the forward output as one factor of the truth's: c = <d, t> / <t, t>, and what is left after it (a plain
+        # scale leaves the members' error: answers.op_class calls it scaling)
+        d, t = dev["out"][0].double(), truth["out"][0].double()
+        tt = float((t * t).sum())
+        if tt > 0:
+            c = float((d * t).sum()) / tt
+            row["fwd_scale"], row["fwd_after_scaling"] = c, float((d - c * t).norm()) / math.sqrt(tt)
     if coefs is not None and null:  # score/local.py reads the direction from them
         row["branches"] = {f"{name}.{c}": {"coef": coefs[j], "members": [x[j] for x in null]} for j, c in enumerate(branches)}
     for lab, vals in expected.items():

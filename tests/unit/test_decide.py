@@ -385,3 +385,56 @@ def test_an_entry_beyond_without_row_writers_is_placed_in_the_unrecorded_layers_
     row = a3["per_run"][0]
     assert row["module"] == "model.embed_tokens" and row["direction"] == "forward", row
     assert "(model.embed_tokens)" in row["evidence"], row["evidence"]
+
+
+def _branch_local(coef_mlp):
+    """Layer 1 replayed alone, within its band as a whole (its gradients one pooled unit), its forward error split
+    along its branches (replay/local.py ``_branch_coefs``): the MLP's coefficient ``coef_mlp``, the members' near 0."""
+    from oracle.score.local import _score_branches
+
+    row = {"module": "model.layers.1", "ratio": 1.2, "beyond": False, "direction": None, "class": "within_noise",
+           "branches": {"model.layers.1.mlp": {"coef": coef_mlp, "members": [1.2e-3, -4e-4]},
+                        "model.layers.1.self_attn": {"coef": 2e-4, "members": [-5e-4, 3e-4]}}}  # fmt: skip
+    _score_branches(row)
+    return {"B": {"culprits": [], "threshold": {"value": 2.5}, "modules": [row],
+                  "verdict": {"culprit": None, "direction": None, "text": "no module beyond"}}}  # fmt: skip
+
+
+def test_a_branch_whose_output_is_off_reads_the_called_layer_as_forward_and_names_the_branch():
+    """A 3 % scale of layer 1's MLP output, forward or backward, scales its gradients alike (1.03x, onset in the MLP's
+    weights, the loss agreeing): the layer's own forward output stays in band. Its forward error along the MLP's
+    output (+0.030, 25x the members') says forward, born in the MLP; a coefficient like the members' leaves it
+    backward."""
+    cap = _capture("B", seed=11, plant=("model.layers.1.mlp.gate_proj.weight", 6.0))
+    runs = [{"name": "B", "num_tokens": 2435, "modules": True}]
+    local = _branch_local(0.0302)
+    row = local["B"]["modules"][0]
+    assert row["forward_branch"] == "model.layers.1.mlp" and row["branches"]["model.layers.1.mlp"]["ratio"] > 20
+    assert row["branches"]["model.layers.1.mlp"]["threshold"] > 10  # K = 2: a scalar's heavy tail, read at 5 %
+    d, _, a3, _, head = _judge([cap], local=local, runs=runs)
+    born = a3["per_run"][0]
+    assert d["faulty"] == ["B"] and born["module"] == "model.layers.1.mlp" and born["direction"] == "forward", born
+    assert "+0.0302 x model.layers.1.mlp's own output" in born["evidence"] and "(forward" in head, born["evidence"]
+    _, _, a3, _, _ = _judge([cap], local=_branch_local(9e-4), runs=runs)
+    assert a3["per_run"][0]["direction"] == "backward" and a3["per_run"][0]["module"] == "model.layers.1.mlp"
+
+
+def test_a_forward_output_that_is_one_factor_of_the_truth_is_a_scaling():
+    """A local culprit whose forward output is 1.1x the truth's with nothing left after scaling (a vision block's
+    output scaled inside its forward): op class scaling, where explain ranks no rounding; an output not a scale
+    (after scaling still 10x its band) stays undetermined."""
+    mod = "model.visual.blocks.0"
+
+    def local(after):
+        return {"B": {"culprits": [mod], "threshold": {"value": 2.5},
+                      "modules": [{"module": mod, "ratio": 35.0, "direction": "forward", "class": "beyond_noise",
+                                   "fwd": 0.1, "expected_fwd": 2.9e-3, "fwd_scale": 1.1, "fwd_after_scaling": after}],
+                      "verdict": {"culprit": mod, "direction": "forward", "text": "culprit"}}}  # fmt: skip
+
+    explained = {"B": {"classes": [{"share_only": 0.0}], "top": "elementwise", "text": "explain ranked none"}}
+    for after, want in ((3e-3, "scaling"), (3e-2, None)):
+        score = {"captures": [_capture("B", seed=7)], "margin": None}
+        d = decide.decide(score, local(after))
+        a3 = answers.born(score, local(after), decision=d)
+        a4 = answers.op_class(score, explained, a3["per_run"], None, decision=d, local=local(after))
+        assert a3["per_run"][0]["module"] == mod and a4["per_run"][0]["class"] == want, a4["per_run"][0]
