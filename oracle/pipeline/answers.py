@@ -361,7 +361,9 @@ def holder(module: str, local: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"module": m["module"], "ratio": ratio, "threshold": t, "text": text}
 
 
-CAPTURE_LAYERS = ("capture both runs again with module boundaries (ORACLE_CAPTURE_MODULES=layers beside ORACLE_CAPTURE; "
+_VIT_BLOCK = re.compile(r"(^|\.)visual\.blocks\.\d+($|\.)")  # a vision tower's block (Megatron preset ``vit``)
+CAPTURE_LAYERS = ("capture both runs again with module boundaries (ORACLE_CAPTURE_MODULES=layers beside ORACLE_CAPTURE, "
+                  "layers,vit for a vision-language model; "
                   "oracle capture --modules for a bundle), so that a local replay places the module and explain ranks "
                   "the op classes")  # fmt: skip
 
@@ -576,9 +578,13 @@ def op_class(score: dict[str, Any], explained: dict[str, dict[str, Any]], born_r
         if recorded.get(b["run"]):
             why = "module boundaries were recorded but none holds this module, so no local replay places it"
             megatron = next((r.get("megatron") for r in runs or [] if r["name"] == b["run"]), False)
-            if megatron and not _LAYER_NAME.search(b["module"]):  # the advice already taken must not come back
-                settle = (f"nothing more from this capture's framework: the Megatron merge maps decoder layers and their "
-                          f"sub-modules only, so {b['module']} stays placed end to end (within the modules before the "
+            if megatron and _VIT_BLOCK.search(b["module"]):
+                settle = ("record the vision blocks too (ORACLE_CAPTURE_MODULES=layers,vit beside ORACLE_CAPTURE): the "
+                          "Megatron merge maps them as the HF blocks the framework runs whole on every TP rank, and the "
+                          f"local replay then places the fault at {b['module'].split('.blocks.')[0]}.blocks.N")  # fmt: skip
+            elif megatron and not _LAYER_NAME.search(b["module"]):  # the advice already taken must not come back
+                settle = (f"nothing more from this capture's framework: the Megatron merge maps decoder layers, their "
+                          f"sub-modules and the vision blocks (preset vit) only, so {b['module']} stays placed end to end (within the modules before the "
                           "first recorded layer); to go further, capture the sample with `oracle capture --modules` on the same "
                           "device (transformers' model: it reproduces a fault of the device's kernels, not of the "
                           "framework)")  # fmt: skip

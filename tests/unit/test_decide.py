@@ -339,6 +339,16 @@ def test_an_onset_outside_the_recorded_layers_of_a_megatron_run_never_gets_the_c
         assert a3["per_run"][0]["module"].startswith("model.visual.merger") and a3["per_run"][0]["direction"] == "forward"
         r = a4["per_run"][0]
         assert r["class"] is None and says in r["settle"] and "=layers" not in r["settle"], r["settle"]
+    # the onset in a vision block the Megatron run did not record: the preset that records it
+    for r in cap["params"]:
+        r["name"], r["layer"] = r["name"].replace("model.visual.merger", "model.visual.blocks.0"), "visual.blocks.0"
+    for r in cap["layers"]:
+        r["name"], r["worst_param"] = r["name"].replace("model.visual.merger", "visual.blocks.0"), r["worst_param"].replace(
+            "model.visual.merger", "model.visual.blocks.0")
+    runs = [{"name": "B", "num_tokens": 2435, "modules": True, "megatron": True}]
+    _, _, a3, a4, _ = _judge([cap], local=local, runs=runs)
+    assert a3["per_run"][0]["module"].startswith("model.visual.blocks.0"), a3["per_run"][0]
+    assert "ORACLE_CAPTURE_MODULES=layers,vit" in a4["per_run"][0]["settle"], a4["per_run"][0]["settle"]
 
 
 def _entry_local(ratio, sources=None):
