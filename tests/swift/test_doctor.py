@@ -76,8 +76,8 @@ def _tensor_bytes(path: str) -> int:
 
 def test_capture_size_is_what_the_hook_writes(tmp_path):
     """ms-swift's own tiny Qwen3-VL step at TP 2 + SP (fp32, padded: its [1, 1, T, T] mask recorded) captured with
-    ORACLE_CAPTURE_MODULES=layers: every rank's weights, grads, inputs and layer boundaries hold, byte for byte, what
-    capture_size.per_rank computes from the HF config and the layout."""
+    ORACLE_CAPTURE_MODULES=layers,vit: every rank's weights, grads, inputs, layer boundaries and vision blocks' boundaries
+    hold, byte for byte, what capture_size.per_rank computes from the HF config and the layout."""
     import json
 
     import peer
@@ -87,7 +87,7 @@ def test_capture_size_is_what_the_hook_writes(tmp_path):
 
     out = str(tmp_path / "run")
     peer.run(out, tp=2, sp=True, dtype="fp32", model_dir=tiny.write_model_dir(str(tmp_path / "hf")),
-             env={"ORACLE_CAPTURE": out + "/capture", "ORACLE_CAPTURE_MODULES": "layers"})  # fmt: skip
+             env={"ORACLE_CAPTURE": out + "/capture", "ORACLE_CAPTURE_MODULES": "layers,vit"})  # fmt: skip
     for r in range(2):
         d = os.path.join(out, "capture", "pre", f"rank{r:05d}")
         seq = json.load(open(os.path.join(out, "raw", f"rank{r}", "meta.json")))["seq_len"]
@@ -97,8 +97,10 @@ def test_capture_size_is_what_the_hook_writes(tmp_path):
         assert _tensor_bytes(os.path.join(d, "weights.safetensors")) == want["weights"], r
         assert _tensor_bytes(os.path.join(d, "grads.safetensors")) == want["grads"], r
         assert inputs == want["inputs"], r
-        mods = sum(_tensor_bytes(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("mod."))
-        assert mods == want["layers_boundaries"], r
+        mods = {f: _tensor_bytes(os.path.join(d, f)) for f in os.listdir(d) if f.startswith("mod.")}
+        vit = sum(v for f, v in mods.items() if "visual" in f)
+        assert sum(mods.values()) - vit == want["layers_boundaries"], r
+        assert vit == want["vit_boundaries"] > 0, (r, sorted(mods))
 
 
 def test_doctor_help_in_the_training_env_reads_as_the_host_cli_with_examples_that_run(tmp_path):

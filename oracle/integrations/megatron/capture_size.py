@@ -32,7 +32,7 @@ TEXT_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 22016, "num_attention
                  "num_hidden_layers": 32, "vocab_size": 151936, "head_dim": 128, "attention_bias": False}  # fmt: skip
 VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 3584, "patch_size": 16,
                    "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
-                   "deepstack_visual_indexes": [8, 16, 24]}  # fmt: skip
+                   "deepstack_visual_indexes": [8, 16, 24], "num_heads": 16}  # fmt: skip
 
 
 def text_params(t: dict[str, Any], tie: bool) -> dict[str, int]:
@@ -81,10 +81,16 @@ def per_rank(config: dict[str, Any], *, tp: int, pp: int = 1, tokens: int, seque
     inputs = tokens * (8 + 8 + 3 * 8) + (images * 24 if vc else 0) + patches * pixel * act_bytes + mask
     rows = -(-tokens // tp) if sequence_parallel else tokens
     boundary = layers * (4 * rows * t["hidden_size"] * act_bytes + tokens * d * 4 + mask)
+    # ``vit``: every rank records every vision block whole (hidden states in, out, grad_output, grad_input over the
+    # patches; the rotary cos and sin of one head; cu_seqlens, int32, one per image and one more)
+    hv = vc["hidden_size"] if vc else 0
+    vit = vc["depth"] * (4 * patches * hv * act_bytes + 2 * patches * (hv // vc["num_heads"]) * act_bytes
+                         + (images + 1) * 4) if vc and patches else 0  # fmt: skip
     base = params * (param_bytes + grad_bytes) + inputs
     return {"params": params, "weights": params * param_bytes, "grads": params * grad_bytes, "inputs": inputs,
-            "layers_boundaries": boundary, "bundle": base, "bundle_with_layers": base + boundary,
-            "rank": 2 * base, "rank_with_layers": 2 * (base + boundary), "decoder_layers": layers, "rows": rows}  # fmt: skip
+            "layers_boundaries": boundary, "vit_boundaries": vit, "bundle": base, "bundle_with_layers": base + boundary,
+            "rank": 2 * base, "rank_with_layers": 2 * (base + boundary), "rank_with_layers_vit": 2 * (base + boundary + vit),
+            "decoder_layers": layers, "vision_blocks": vc["depth"] if vc else 0, "patches": patches, "rows": rows}  # fmt: skip
 
 
 def render(s: dict[str, Any], *, tp: int, pp: int, tokens: int, sequence_parallel: bool, images: int, image_side: int) -> str:
@@ -96,4 +102,6 @@ def render(s: dict[str, Any], *, tp: int, pp: int, tokens: int, sequence_paralle
         f"= {g(s['bundle'])} per bundle; pre + post: {g(s['rank'])}",
         f"    with ORACLE_CAPTURE_MODULES=layers: + {g(s['layers_boundaries'])} per bundle ({s['decoder_layers']} decoder "
         f"layers x 4 x {s['rows']} rows); pre + post: {g(s['rank_with_layers'])}",
+        *([f"    with ORACLE_CAPTURE_MODULES=layers,vit: + {g(s['vit_boundaries'])} more per bundle ({s['vision_blocks']} vision "
+           f"blocks x 4 x {s['patches']} patches); pre + post: {g(s['rank_with_layers_vit'])}"] if s["vit_boundaries"] else []),
     ])  # fmt: skip

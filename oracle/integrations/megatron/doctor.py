@@ -131,9 +131,10 @@ def check_folder(folder: str) -> tuple[str | None, str, str | None]:
     return None, line, None
 
 
-def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[list[str], int]:
+def size_lines(hf_config: str, layout: dict[str, Any], modules: str | None) -> tuple[list[str], int]:
     """The capture's size per rank (capture_size.py) from a HF config.json and the layout; the bytes
-    one rank writes (pre + post, with the layers' boundaries where ``modules``)."""
+    one rank writes (pre + post, with the layers' boundaries where ``modules`` is set, the vision blocks'
+    too where it names the preset ``vit``)."""
     from . import capture_size
 
     sizes = {k: v for k, v in layout.items() if k != "ranks"}
@@ -151,7 +152,8 @@ def size_lines(hf_config: str, layout: dict[str, Any], modules: bool) -> tuple[l
     except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as e:
         raise ValueError(f"--hf-config {hf_config}: cannot size the capture from it ({type(e).__name__}: {e}); give "
                          "the model's Hugging Face config.json") from None  # fmt: skip
-    return [text], s["rank_with_layers" if modules else "rank"]
+    vit = bool(modules) and "vit" in [x.strip() for x in modules.split(",")]
+    return [text], s["rank_with_layers_vit" if vit else "rank_with_layers" if modules else "rank"]
 
 
 LAYOUT_DEFAULTS = {"tp": 1, "pp": 1, "tokens": 4096, "sequence_parallel": True, "images": 4, "image_side": 448, "ranks": 8}
@@ -227,7 +229,7 @@ def diagnose(folder: str | None = None, env: dict[str, str] | None = None, *, hf
     need = None
     if hf_config:
         lines.append(f"  model config: {hf_config} ({origin})")
-        more, need = size_lines(hf_config, layout, bool(env.get("ORACLE_CAPTURE_MODULES")))
+        more, need = size_lines(hf_config, layout, env.get("ORACLE_CAPTURE_MODULES"))
         lines += more
     if folder:
         problem, text, note = check_folder(folder)
