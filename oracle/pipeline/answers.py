@@ -231,6 +231,11 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
                    f"band against the float64 replay's (local replay): a forward error made before it")  # fmt: skip
         elif lc and lc["beyond"]:
             direction, why = "forward", f"the loss differs from the truth's by {lc['rel']:.2e} (band {lc['band']:.1e})"
+        elif lc and at_loss_end and d.get("scale") and _logits_scaled(lc, d["scale"]["c"]) is not None:
+            # the loss's move predicted by scaled logits, against the loss as it is: the nearer hypothesis
+            fwd, why = _logits_scaled(lc, d["scale"]["c"])
+            direction = "forward" if fwd else "backward"
+            why = f"{d['scale']['text']}; {why}"
         elif lc and at_loss_end and d.get("scale") and lc.get("moved"):
             # one factor on every gradient and the loss moved (at the direction's level): the logits are scaled
             direction = "forward"
@@ -287,6 +292,27 @@ def born(score: dict[str, Any], local: dict[str, dict[str, Any]], margin: float 
     if fw:
         parts.append(f"framework finding in {' and '.join(fw)} (below)")
     return {"per_run": rows, "text": "; ".join(parts) or "no error to localise"}
+
+
+def _logits_scaled(lc: dict[str, Any], c: float) -> tuple[bool, str] | None:
+    """Whether a scale of every gradient at the loss end is the logits' (forward) or the loss's gradient's /
+    the head's backward (the loss stays the truth's). Gradients c times too small read as the logits f = 1/c
+    times too large, which moves the loss, to first order, by (f - 1) x dL/df (scorer._logit_slope: <W, dL/dW>
+    of the output layer); a backward scale moves it by nothing. The two hypotheses have the same honest noise,
+    so the nearer one is the more likely: forward when |e - pred| < |e| (e the loss's signed error, relative).
+    None where the prediction is within the loss's own band (nothing to tell apart: the moved rule stands) or
+    there is no slope."""
+    slope, replayed = lc.get("logit_slope"), lc.get("replayed")
+    if slope is None or not replayed or not c or lc.get("captured") is None:
+        return None
+    pred = (1 / c - 1) * slope / abs(replayed)
+    e = (lc["captured"] - replayed) / abs(replayed)
+    if abs(pred) <= lc["loss_band"]:
+        return None
+    fwd = abs(e - pred) < abs(e)
+    return fwd, (f"logits {1 / c:.4g}x too large would move the loss by {pred:+.2e} (relative, to first order); it moved "
+                 f"by {e:+.2e} (band {lc['loss_band']:.1e}): " + ("the logits are scaled (forward)" if fwd else
+                 "the loss is the truth's: the gradient entering the backward at the loss end is scaled"))  # fmt: skip
 
 
 def _forward_branch(module: str, local: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from . import eta, workfolder
 from .stages import Progress, Stages, duration, manifest_fingerprint
 
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
-RULE = "calibrated-4"  # the threshold's rule (score/calibrate.py, its direction and loss thresholds): a score stage of another rule is redone
+RULE = "calibrated-5"  # the threshold's rule (score/calibrate.py, its direction and loss thresholds; the loss's logit slope): a score stage of another rule is redone
 LOCAL_ROWS = "inputs-5"  # what a local replay's rows hold (replay/local.py: input rows, entry rows per recorded stack with their writers, residual branches, the forward output as one factor): a local stage of another is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7

@@ -368,7 +368,31 @@ def _loss_check(plan: dict, oracle: Bundle, margin: float | None) -> dict[str, A
     text += f" (captured {captured:.8g}, replayed {replayed:.8g}; band {band:.1e}, {rule})"
     return {"captured": captured, "replayed": replayed, "rel": rel, "band": limit, "loss_band": band, "threshold": t,
             "members": len(members), "excess": rel / band if band else math.inf, "beyond": beyond,
-            "direction_threshold": t_dir, "moved": rel > t_dir * band, "text": text}  # fmt: skip
+            "direction_threshold": t_dir, "moved": rel > t_dir * band, "text": text,
+            "logit_slope": _logit_slope(plan["bundle"], oracle)}  # fmt: skip
+
+
+HEAD = "lm_head.weight"  # the output layer's weight, as every recipe's HF model names it
+
+
+def _logit_slope(cap: Bundle, oracle: Bundle) -> float | None:
+    """dL/df at f = 1 of the truth's loss with its logits z scaled by f: <z, dL/dz> summed over the tokens, which
+    is <W, dL/dW> for the output layer z = W h (dL/dW = sum_t dL/dz_t h_t^T), from the capture's weight and the
+    truth's gradient, in float64 by row blocks. What the loss moves by, to first order, when the logits come out
+    f times too large: (f - 1) x this (answers.born tells a forward scale at the loss end from a backward one
+    by it). None without the head's weight and gradient, or with a tied one (its gradient holds the embedding's)."""
+    if HEAD not in cap.names("weights") or HEAD not in oracle.names("grads"):
+        return None
+    cfg = (cap.get("recipe") or {}).get("config") or {}
+    if cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get("tie_word_embeddings"):
+        return None
+    w, g = cap.load("weights", HEAD), oracle.load("grads", HEAD)
+    if w.shape != g.shape:
+        return None
+    total = 0.0
+    for i in range(0, w.shape[0], 8192):  # row blocks: no float64 copy of a 152k-row head at once
+        total += float((w[i:i + 8192].double() * g[i:i + 8192].double()).sum())
+    return total
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:

@@ -448,3 +448,24 @@ def test_a_forward_output_that_is_one_factor_of_the_truth_is_a_scaling():
         a3 = answers.born(score, local(after), decision=d)
         a4 = answers.op_class(score, explained, a3["per_run"], None, decision=d, local=local(after))
         assert a3["per_run"][0]["module"] == mod and a4["per_run"][0]["class"] == want, a4["per_run"][0]
+
+
+def test_a_loss_end_scale_is_forward_when_the_loss_moved_as_scaled_logits_would_move_it():
+    """Every gradient x1.03 at the loss end (c = 1/1.03), the loss below the 6.9x direction level either way: logits
+    1.03x too large move the loss by 0.03 x dL/df (scorer._logit_slope: <W, dL/dW> = 3.3e-3 of a loss of 1, a
+    prediction of +9.9e-5 against a band of 4.9e-5). A loss that moved +1.3e-4 is nearer that: forward (the logits);
+    one that moved +2.1e-5 is nearer 0: backward; a prediction inside the band leaves the moved rule (backward)."""
+    runs = [{"name": "A", "num_tokens": 2435}, {"name": "B", "num_tokens": 2435}]
+
+    def run(moved_by, slope=3.3e-3):
+        cap = _capture("B", seed=5, scale=1 / 1.03)
+        cap["loss_check"] = {"beyond": False, "moved": False, "rel": abs(moved_by), "band": 1.1e-3, "loss_band": 4.9e-5,
+                             "excess": abs(moved_by) / 4.9e-5, "direction_threshold": 6.9, "captured": 1.0 + moved_by,
+                             "replayed": 1.0, "logit_slope": slope, "text": "the loss agrees"}  # fmt: skip
+        _, _, a3, _, _ = _judge([_capture("A", seed=4), cap], runs=runs)
+        return a3["per_run"][1]
+
+    fwd = run(1.34e-4)
+    assert fwd["direction"] == "forward" and "would move the loss by +9.90e-05" in fwd["evidence"], fwd["evidence"]
+    assert run(2.1e-5)["direction"] == "backward"
+    assert run(1.34e-4, slope=1e-3)["direction"] == "backward"  # +3.0e-5 predicted: within the band, nothing told

@@ -183,6 +183,21 @@ def test_the_loss_is_judged_against_its_members_losses(make_capture, amp_capture
     assert lc["beyond"] and lc["excess"] > lc["threshold"], lc
 
 
+def test_the_logit_slope_predicts_how_far_scaled_logits_move_the_loss(make_capture, oracle_bundle):
+    """scorer._logit_slope (<W, dL/dW> of the output layer, from the capture's weight and the truth's gradient) is
+    dL/df at f = 1 of the truth's loss with its logits scaled by f: an fp32 capture whose logits were scaled by 1.01
+    in its forward moved the loss by 0.01 x it, to first order (within 5 %: the second-order term and fp32
+    rounding); answers._logits_scaled reads a loss-end scale's direction from it."""
+
+    def hot_logits(model):
+        model.lm_head.register_forward_hook(lambda module, inputs, out: out * 1.01)
+
+    lc = _cap(score(oracle_bundle, [make_capture("fp32-logits-x1.01", "fp32", instrument=hot_logits)]))["loss_check"]
+    moved = lc["captured"] - lc["replayed"]
+    assert lc["logit_slope"] is not None and abs(moved) > 1e-5, lc
+    assert abs(moved / (0.01 * lc["logit_slope"]) - 1) < 0.05, (moved, lc["logit_slope"])
+
+
 def test_an_emulated_members_loss_is_the_devices_float32_cross_entropy(oracle_bundle, band):
     """A pure-bf16 member's cross-entropy runs as the device's float32 kernel on its bf16 logits (headloss.device_ce):
     its loss within 1e-4 of the truth (measured 4e-6..8e-6). Rounding every step to bf16 put it 5.6e-4..5.1e-3 off
