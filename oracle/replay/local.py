@@ -96,6 +96,29 @@ def _nonfinite(ts: list[torch.Tensor]) -> int:
     return sum(int((~t.isfinite()).sum()) for t in ts if t.is_floating_point())
 
 
+class _Through(torch.nn.Module):
+    """A norm, then the module it feeds: the boundary a Megatron sub-module records where the spec fuses its
+    input norm into its first linear layer (TransformerEngine / MindSpeed: ``self_attention`` receives the hidden
+    states before ``input_layernorm``, ``mlp`` before ``post_attention_layernorm``). The hidden states are the
+    first positional argument or ``hidden_states``; everything else goes to the module as recorded."""
+
+    def __init__(self, norm: torch.nn.Module, module: torch.nn.Module):
+        super().__init__()
+        self.norm, self.inner = norm, module
+
+    def forward(self, *args, **kwargs):
+        if args:
+            return self.inner(self.norm(args[0]), *args[1:], **kwargs)
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = self.norm(kwargs["hidden_states"])
+        return self.inner(**kwargs)
+
+    def named_parameters_as(self, name: str, through: str):
+        """(model-wide name, parameter) of the norm's and the module's."""
+        yield from ((f"{through}.{n}", p) for n, p in self.norm.named_parameters())
+        yield from ((f"{name}.{n}", p) for n, p in self.inner.named_parameters())
+
+
 class _Worker:
     """Per-process state: the capture, and per dtype a skeleton of the model (parameters on the meta
     device, oracle/replay/streaming/materialize.py) whose modules are materialised from the capture only while they
@@ -105,7 +128,7 @@ class _Worker:
         self.cap = Bundle(capture)
         self.recipe = recipe_of(self.cap)
         self.models: dict[str, torch.nn.Module] = {}
-        self._live: dict[str, str] = {}  # dtype -> the module materialised in that skeleton now
+        self._live: dict[str, list[str]] = {}  # dtype -> the modules materialised in that skeleton now
 
     def model(self, dtype: str) -> torch.nn.Module:
         if dtype not in self.models:
@@ -117,15 +140,20 @@ class _Worker:
         return self.models[dtype]
 
     def module(self, dtype: str, name: str) -> torch.nn.Module:
-        """Module ``name`` of the ``dtype`` skeleton with its captured weights (the previous one evicted)."""
+        """Module ``name`` of the ``dtype`` skeleton with its captured weights (the previous one evicted); a
+        boundary recorded ``through`` a norm (a Megatron sub-module whose input norm the spec fuses in,
+        integrations/megatron/boundaries.py) is that norm, then the module: ``_Through``."""
         model = self.model(dtype)
-        live = self._live.get(dtype)
-        if live is not None and live != name:
-            evict(model.get_submodule(live))
+        through = self.cap.manifest["modules"].get(name, {}).get("through")
+        want = [n for n in (through, name) if n]
+        for live in self._live.get(dtype, []):
+            if live not in want:
+                evict(model.get_submodule(live))
+        for n in want:
+            materialize(model.get_submodule(n), f"{n}.", Weights(self.cap, emulation(dtype)[0]))
+        self._live[dtype] = want
         module = model.get_submodule(name)
-        materialize(module, f"{name}.", Weights(self.cap, emulation(dtype)[0]))
-        self._live[dtype] = name
-        return module
+        return _Through(model.get_submodule(through), module) if through else module
 
     def run(self, name: str, dtype: str, jitter: int | None, mode: PrecisionMode | None = None,
             branches: tuple[str, ...] = ()) -> dict[str, list[torch.Tensor]]:  # fmt: skip
@@ -182,7 +210,8 @@ class _Worker:
             if isinstance(t, torch.Tensor):
                 kept[c] = t.detach().double().clone()
 
-        hooks = [module.get_submodule(c).register_forward_hook(lambda m, a, o, c=c: keep(m, a, o, c)) for c in branches]
+        inner = module.inner if isinstance(module, _Through) else module
+        hooks = [inner.get_submodule(c).register_forward_hook(lambda m, a, o, c=c: keep(m, a, o, c)) for c in branches]
         try:
             with mode:
                 out = module(*args, **kwargs)
@@ -201,7 +230,9 @@ class _Worker:
                 if round_to is not None and held_low(f"gin.{i}"):
                     g = g.to(round_to).to(compute)  # the device accumulates this gradient in its own format
                 gin.append(g)
-        params = [(f"{name}.{pn}", p.grad) for pn, p in module.named_parameters() if p.grad is not None]
+        named = (module.named_parameters_as(name, meta["through"]) if isinstance(module, _Through)
+                 else ((f"{name}.{pn}", p) for pn, p in module.named_parameters()))  # fmt: skip
+        params = [(n, p.grad) for n, p in named if p.grad is not None]
         return {"out": out_t, "gin": gin, "param": [g for _, g in params], "param_names": [n for n, _ in params],
                 "branches": kept}  # fmt: skip
 
@@ -316,7 +347,7 @@ def _inherited(cap: Bundle, names: list[str], kw: dict | None = None) -> dict[st
         recorders.append(ModuleRecorder(model, real))
         recorders[-1].__enter__()
         if kw is not None:
-            hooks.extend(_kw_inputs(model, real, kw, entries=entries_of(cap, real)))
+            hooks.extend(_kw_inputs(model, real, kw, entries=entries_of(cap, real), through=_through(cap)))
 
     try:
         run_step(cap, "fp64", instrument=record)  # the oracle's own step, boundaries kept
@@ -346,7 +377,7 @@ ENTRY = "hidden_states"  # the key of the entry row: what the first recorded mod
 
 
 def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[str, list[torch.Tensor]]],
-               stop: str | None = None, entries: tuple[str, ...] = ()) -> list:  # fmt: skip
+               stop: str | None = None, entries: tuple[str, ...] = (), through: dict[str, str] | None = None) -> list:  # fmt: skip
     """Forward pre-hooks keeping each module's gradient-free floating keyword inputs (first call), by key,
     and the ``entries``' gradient-carrying positional ones as ``ENTRY``; ``stop``: the module whose inputs
     are the last needed (raises ``_Enough`` after keeping them)."""
@@ -378,7 +409,25 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
             return None
 
         hooks.append(model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True))
+        if n in entries and (through or {}).get(n):  # recorded through its norm: the entry is the norm's input
+
+            def norm_hook(module, args, kwargs, n=n):
+                flat, _ = tree_flatten((args, kwargs))
+                ts = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()][:1]
+                store.setdefault(f"{n}\0through", {}).setdefault(ENTRY, [t.detach().to("cpu", copy=True) for t in ts])
+
+            hooks.append(model.get_submodule(through[n]).register_forward_pre_hook(norm_hook, with_kwargs=True))
     return hooks
+
+
+def _through(cap: Bundle) -> dict[str, str]:
+    return {n: m["through"] for n, m in cap.manifest["modules"].items() if m.get("through")}
+
+
+def _entry_value(store: dict, n: str) -> list[torch.Tensor] | None:
+    """The kept hidden states entering ``n`` (its norm's input where recorded through one)."""
+    via = store.get(f"{n}\0through")
+    return (via or {}).get(ENTRY) if via is not None else (store.get(n) or {}).get(ENTRY)
 
 
 def _recorded_call(cap: Bundle, name: str) -> tuple[Any, dict[str, Any], set[str], set[int]]:
@@ -443,7 +492,7 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     entries = entries_of(cap, names)
     for entry in entries:
         dev = _device_entry(cap, entry)
-        ref = (truth.get(entry) or {}).get(ENTRY) or []
+        ref = _entry_value(truth, entry) or []
         if dev and len(dev) == len(ref) and all(a.shape == b.shape for a, b in zip(dev, ref)):
             seen.append((entry, ENTRY, dev))
     for n in sorted((n for n in names if n in mods), key=lambda n: mods[n].get("order", 0)):
@@ -466,7 +515,7 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     hooks: list = []
 
     def instrument(model):
-        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entries=entries))
+        hooks.extend(_kw_inputs(model, [n for n, _, _ in seen], member, stop=last, entries=entries, through=_through(cap)))
 
     # a merged Megatron capture's tables were made by the merge from the angles the ranks computed in float32
     # (integrations/megatron/boundaries.py): its honest member keeps float32 where the model code asks for it
@@ -481,9 +530,10 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
         for h in hooks:
             h.remove()
     for n, k, dev in seen:
-        ref = truth[n][k]
+        ref = _entry_value(truth, n) if k == ENTRY else truth[n][k]
+        got = (_entry_value(member, n) if k == ENTRY else (member.get(n) or {}).get(k)) or []
         emu = [e.to(d.dtype).double() if d.dtype in (torch.bfloat16, torch.float16) else e
-               for e, d in zip((member.get(n) or {}).get(k) or [], dev)]  # held as the device held it
+               for e, d in zip(got, dev)]  # held as the device held it
         metric = _rel if k == ENTRY else _max_rel  # the hidden states are sums: rel L2, as every module's rows
         m = [metric(emu, ref)] if len(emu) == len(ref) else []
         floor = torch.finfo(dev[0].dtype).eps / 8  # a quarter of the unit roundoff (eps / 2) of the device's format

@@ -20,8 +20,10 @@ one HF module each (``ROLES``, by the mcore name below the layer):
 
 Where the input norm is fused into linear_qkv / linear_fc1 (TransformerEngine's spec, MindSpeed's:
 ``layer_norm_weight`` parameters), ``self_attention`` and ``mlp`` receive the hidden states before the
-norm, a boundary no single HF module has, and the norm modules are weightless identities: they are
-named unmapped (only the q/k norms map there). Linear layers (TP shards of fused
+norm: they map ``through`` the HF norm (``input_layernorm`` / ``post_attention_layernorm``, whose weight is
+the fused ``layer_norm_weight``), replayed as that norm then the module (replay/local.py ``_Through``),
+their parameter gradients the norm's and the module's; the norm modules themselves are weightless
+identities there and are named unmapped. Linear layers (TP shards of fused
 tensors), the attention kernel and rotary (a function in mcore, not a module) are not mapped either. The boundary is the same function on both
 sides: mcore's layer is input norm (fused into linear_qkv under TE / MindSpeed, a module of its own
 in the local spec), attention with the rotary embedding applied inside, residual, pre-MLP norm,
@@ -81,6 +83,18 @@ _BELOW = re.compile(r"decoder\.layers\.\d+(?:\.(.+))?$")
 ROLES = {"": "layer", "self_attention": "attention", "mlp": "hidden", "input_layernorm": "hidden",
          "pre_mlp_layernorm": "hidden", "self_attention.q_layernorm": "heads", "self_attention.k_layernorm": "heads"}  # fmt: skip
 _FUSED = {"self_attention": "linear_qkv", "mlp": "linear_fc1"}  # TE / MindSpeed fuse the input norm into these
+_NORM_OF = {"self_attention": "input_layernorm", "mlp": "pre_mlp_layernorm"}  # ... which is this norm's (mcore name)
+
+
+def _fused_norm(name: str, ranks: list) -> str | None:
+    """The mcore name of the norm fused into ``name``'s first linear layer (``layer_norm_weight``: the TE /
+    MindSpeed spec), or None."""
+    m = _BELOW.search(name)
+    below = (m[1] or "") if m else ""
+    fused = _FUSED.get(below)
+    if fused and any(n.endswith(f"{below}.{fused}.layer_norm_weight") for n in ranks[0].names("grads")):
+        return name[: -len(below)] + _NORM_OF[below]
+    return None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,10 +142,6 @@ def _role(name: str, ranks: list) -> str:
                         f"the attention kernel and rotary have no HF module of their own; mapped: "
                         f"{', '.join(k for k in ROLES if k)}")  # fmt: skip
     grads = ranks[0].names("grads")
-    fused = _FUSED.get(below)
-    if fused and any(n.endswith(f"{below}.{fused}.layer_norm_weight") for n in grads):
-        raise _Unmapped(f"its input norm is fused into {fused} (TransformerEngine / MindSpeed spec): it receives the "
-                        "hidden states before the norm, a boundary no single HF module has; capture the whole layer")  # fmt: skip
     if below.endswith("layernorm") and not any(n.endswith(f"{below}.weight") for n in grads):
         raise _Unmapped("it has no weight: an identity where the spec fuses the norm into the next linear layer "
                         "(TransformerEngine / MindSpeed); capture the whole layer")  # fmt: skip
@@ -295,6 +305,13 @@ def merge_boundaries(
                                     "only decoder layers (TransformerLayer), their sub-modules and the Hugging Face "
                                     f"modules recipe {recipe.name!r} maps (megatron_modules) are mapped") from None  # fmt: skip
                 entry, tensors = _layer(name, hf, ranks, sp, inputs, recipe, seq)
+                norm = _fused_norm(gname, ranks) if inside else None
+                if norm:  # its input is the hidden states before the fused norm: replayed as the HF norm, then it
+                    try:
+                        entry["through"] = names.to_hf(norm)[0]
+                    except RecipeError:
+                        raise _Unmapped(f"its input norm is fused into it and recipe {recipe.name!r} maps no HF module to "
+                                        f"{norm} (megatron_modules)") from None  # fmt: skip
             except _Unmapped as e:
                 record["unmapped"].append({"module": gname, "why": str(e)})
                 continue
