@@ -44,6 +44,7 @@ RULE = "calibrated-5"  # the threshold's rule (score/calibrate.py, its direction
 LOCAL_ROWS = "inputs-5"  # what a local replay's rows hold (replay/local.py: input rows, entry rows per recorded stack with their writers, residual branches, the forward output as one factor): a local stage of another is redone
 # measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
 TOKEN_PARALLEL_EFFICIENCY = 0.7
+BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (megatron/boundaries.py: vision blocks, sub-modules through a fused norm): a merge stage of another is redone
 
 
 def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int = 1) -> float:
@@ -497,7 +498,7 @@ class Judge:
         for (k, p), n in zip(self.inputs, self.names):
             if k == "ranks":
                 caps_p.append(st.bundle(f"merge-{n}", f"merge the rank bundles of {p}",
-                                        {"recipe": self.recipe, "dp_rank": self.dp_rank}, [p],
+                                        {"recipe": self.recipe, "dp_rank": self.dp_rank, "boundaries": BOUNDARIES}, [p],
                                         lambda out, ow, k=k, p=p: self._merge(k, p, out, ow)))  # fmt: skip
             else:
                 caps_p.append(p)
