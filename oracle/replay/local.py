@@ -205,13 +205,14 @@ class _Worker:
         module.zero_grad(set_to_none=True)
         kept: dict[str, torch.Tensor] = {}
 
-        def keep(child, args, out, c=""):
+        def keep(child, args, out):
             t = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(t, torch.Tensor):
-                kept[c] = t.detach().double().clone()
+                kept[names[child]] = t.detach().double().clone()
 
         inner = module.inner if isinstance(module, _Through) else module
-        hooks = [inner.get_submodule(c).register_forward_hook(lambda m, a, o, c=c: keep(m, a, o, c)) for c in branches]
+        names = {inner.get_submodule(c): c for c in branches}
+        hooks = [child.register_forward_hook(keep) for child in names]
         try:
             with mode:
                 out = module(*args, **kwargs)
@@ -392,42 +393,41 @@ def _kw_inputs(model: torch.nn.Module, names: list[str], store: dict[str, dict[s
             copies[key] = (t, t.detach().to("cpu", copy=True))
         return copies[key][1]
 
+    seen: set[str] = set()  # modules whose first call was kept
+    via = through or {}
+
+    def hidden(args) -> list[torch.Tensor]:
+        flat, _ = tree_flatten(args)
+        return [t.detach().to("cpu", copy=True) for t in flat
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]  # fmt: skip
+
     for n in names:
         def hook(module, args, kwargs, n=n):
-            if n not in store:
-                store[n] = {}
+            if n not in seen:
+                seen.add(n)
+                kept = store.setdefault(n, {})
                 for k, v in kwargs.items():
                     leaves, _ = tree_flatten(v)
                     if leaves and all(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad for t in leaves):
-                        store[n][k] = [keep(t) for t in leaves]
-                if n in entries:
-                    flat, _ = tree_flatten(args)
-                    store[n][ENTRY] = [t.detach().to("cpu", copy=True) for t in flat
-                                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]  # fmt: skip
+                        kept[k] = [keep(t) for t in leaves]
+                if n in entries and n not in via:
+                    kept[ENTRY] = hidden(args)
             if n == stop:
                 raise _Enough
             return None
 
         hooks.append(model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True))
-        if n in entries and (through or {}).get(n):  # recorded through its norm: the entry is the norm's input
+        if n in entries and n in via:  # recorded through its norm (boundaries.py): what enters is the norm's input
 
             def norm_hook(module, args, kwargs, n=n):
-                flat, _ = tree_flatten((args, kwargs))
-                ts = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()][:1]
-                store.setdefault(f"{n}\0through", {}).setdefault(ENTRY, [t.detach().to("cpu", copy=True) for t in ts])
+                store.setdefault(n, {}).setdefault(ENTRY, hidden((args, kwargs)))
 
-            hooks.append(model.get_submodule(through[n]).register_forward_pre_hook(norm_hook, with_kwargs=True))
+            hooks.append(model.get_submodule(via[n]).register_forward_pre_hook(norm_hook, with_kwargs=True))
     return hooks
 
 
 def _through(cap: Bundle) -> dict[str, str]:
     return {n: m["through"] for n, m in cap.manifest["modules"].items() if m.get("through")}
-
-
-def _entry_value(store: dict, n: str) -> list[torch.Tensor] | None:
-    """The kept hidden states entering ``n`` (its norm's input where recorded through one)."""
-    via = store.get(f"{n}\0through")
-    return (via or {}).get(ENTRY) if via is not None else (store.get(n) or {}).get(ENTRY)
 
 
 def _recorded_call(cap: Bundle, name: str) -> tuple[Any, dict[str, Any], set[str], set[int]]:
@@ -492,7 +492,7 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
     entries = entries_of(cap, names)
     for entry in entries:
         dev = _device_entry(cap, entry)
-        ref = _entry_value(truth, entry) or []
+        ref = (truth.get(entry) or {}).get(ENTRY) or []
         if dev and len(dev) == len(ref) and all(a.shape == b.shape for a, b in zip(dev, ref)):
             seen.append((entry, ENTRY, dev))
     for n in sorted((n for n in names if n in mods), key=lambda n: mods[n].get("order", 0)):
@@ -530,10 +530,9 @@ def input_rows(cap: Bundle, names: list[str], truth: dict[str, dict[str, list[to
         for h in hooks:
             h.remove()
     for n, k, dev in seen:
-        ref = _entry_value(truth, n) if k == ENTRY else truth[n][k]
-        got = (_entry_value(member, n) if k == ENTRY else (member.get(n) or {}).get(k)) or []
+        ref = truth[n][k]
         emu = [e.to(d.dtype).double() if d.dtype in (torch.bfloat16, torch.float16) else e
-               for e, d in zip(got, dev)]  # held as the device held it
+               for e, d in zip((member.get(n) or {}).get(k) or [], dev)]  # held as the device held it
         metric = _rel if k == ENTRY else _max_rel  # the hidden states are sums: rel L2, as every module's rows
         m = [metric(emu, ref)] if len(emu) == len(ref) else []
         floor = torch.finfo(dev[0].dtype).eps / 8  # a quarter of the unit roundoff (eps / 2) of the device's format
