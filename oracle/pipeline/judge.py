@@ -48,15 +48,21 @@ BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (meg
 
 
 def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int = 1) -> float:
-    """The dry run's total on ``hosts`` machines of ``cores`` cores each, from this machine's estimate
-    (``here`` threads ran the GEMM probe). A replay stage's GEMM part (its FLOPs over the probe's rate x
-    the replay's efficiency, ``gemm_seconds``) scales with the cores, the float64 GEMM being compute-
-    bound on every core; over several hosts the token-parallel split loses what its exchanges cost
-    (``TOKEN_PARALLEL_EFFICIENCY``). The rest (building, reading, writing, the score and the report)
-    is kept as measured here: it does not shrink with cores, so the figure is conservative there and
-    optimistic only if a server's per-core GEMM rate is below this machine's."""
-    scale = here / (cores * hosts) / (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
-    return sum(e["seconds"] - e.get("gemm_seconds", 0.0) * (1 - scale) for e in est.values())
+    """The dry run's total on ``hosts`` machines of ``cores`` cores each, from this machine's estimate.
+    A replay stage's GEMM part scales with the cores, the float64 GEMM being compute-bound on every core:
+    on the server it is ``gemm_core_seconds`` (its GEMMs on one core of this machine, priced on the CPU-time
+    probe ``plan.core_rates``, which a busy machine does not slow) over the server's cores; over several
+    hosts the token-parallel split loses what its exchanges cost (``TOKEN_PARALLEL_EFFICIENCY``). A stage
+    estimated without that probe scales its wall-clock GEMM time here (``here`` threads) instead. The rest
+    (building, reading, writing, the score and the report) is kept as measured here: it does not shrink
+    with cores, so the figure is conservative there and optimistic only if a server's per-core GEMM rate is
+    below this machine's."""
+    parallel = cores * hosts * (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
+    total = 0.0
+    for e in est.values():
+        gemm = e.get("gemm_seconds", 0.0)
+        total += e["seconds"] - gemm + e.get("gemm_core_seconds", gemm * here) / parallel
+    return total
 
 
 class StageFailed(OracleError):
@@ -351,7 +357,7 @@ class Judge:
         this machine now (``eta.py``)."""
         from ..integrations.megatron.merge import memory_need as merge_memory
         from ..replay.streaming.engine import rss_bytes
-        from ..replay.streaming.plan import gemm_rates, plan
+        from ..replay.streaming.plan import core_rates, gemm_rates, plan
         from ..score.scorer import memory_need as score_memory
 
         est: dict[str, dict[str, float]] = {}
@@ -369,23 +375,28 @@ class Judge:
         # probe ran at another moment, and a load between them moved the band's price against the truth's
         # 0.47-1.55x in five dry runs of the 8B step with one core kept busy.
         compute = {d: emulation(d)[0] for d in ("fp64", *precs)}  # the dtype each pass's GEMMs run in
-        rates = gemm_rates(tuple(dict.fromkeys(compute.values())))
+        rates = self.rates = gemm_rates(tuple(dict.fromkeys(compute.values())))
+        # The servers' figures from one core's CPU-time rate (plan.core_rates): a busy core here slows the
+        # wall-clock probe above 2-3x (the 8B dry run priced 1.5 h quiet, 29.7-38 h loaded), not this one.
+        cores = self.core_rates = core_rates(tuple(dict.fromkeys(compute.values())))
         gemm_s = lambda q: q["estimated_seconds"] * q["gemm_flops_per_s"] / rates[compute[q["dtype"]]]  # noqa: E731
+        core_s = lambda q: gemm_s(q) * rates[compute[q["dtype"]]] / cores[compute[q["dtype"]]]  # noqa: E731 -- one core's GEMM seconds
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe), "flops": base["total_flops"],
-                        "gemm_seconds": gemm_s(base),
+                        "gemm_seconds": gemm_s(base), "gemm_core_seconds": core_s(base),
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
             q = plans[prec]
             est[f"band-{prec}"] = {"seconds": eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
-                                   "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(),
+                                   "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(), "gemm_core_seconds": core_s(q) * self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         for i, lay in enumerate(self.layouts):  # TP x (the truth + every band member), in memory
             serial = est["truth"]["seconds"] + sum(est[f"band-{p}"]["seconds"] * self._spread() for p in precs)
             gemm = est["truth"]["gemm_seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] * self._spread() for p in precs)
-            est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm,
+            core = est["truth"]["gemm_core_seconds"] + sum(est[f"band-{p}"]["gemm_core_seconds"] for p in precs)
+            est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm, "gemm_core_seconds": lay["tp"] * core,
                          "flops": lay["tp"] * (base["total_flops"] + sum(plans[p]["total_flops"] * self.ensemble for p in precs)),
                          "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         grads = base["disk"]["gradients"]
@@ -455,13 +466,19 @@ class Judge:
             t = est["truth"]["seconds"]
             lines.append("  the noise band next to the truth: " + ", ".join(
                 f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es))" for s in bands))
+        import os
+
         import torch
 
-        here = torch.get_num_threads()
-        for cores, hosts in ((64, 1), (64, 4)):
+        here, f64 = torch.get_num_threads(), torch.float64
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        lines.append(f"  GEMM probe now: float64 {self.rates[f64] / 1e9:.1f} GFLOP/s on {here} threads by the wall clock (the times "
+                     f"here; load average {load:.1f} on {os.cpu_count()} cores), {self.core_rates[f64] / 1e9:.1f} GFLOP/s per core by "
+                     "CPU time (the times below: a busy machine slows the first, not the second)")  # fmt: skip
+        for cores, hosts in ((64, 1), (64, 8)):
             t = elsewhere(est, here, cores, hosts)
             where = f"on one {cores}-core server" if hosts == 1 else f"on {hosts} hosts of {cores} cores (--nproc / torchrun)"
-            lines.append(f"  {where}: about {duration(t)} (the replays' GEMM time x {here}/{cores * hosts} cores"
+            lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
                          + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY}" if hosts > 1 else "")
                          + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused

@@ -38,16 +38,35 @@ def test_refusals_name_only_the_stages_above_the_budget_and_the_budget_that_woul
 
 def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, amp_capture):
     """Only the replays' GEMM part scales with the cores (and over hosts by the token-parallel efficiency);
-    fixed costs and the other stages stay as measured here. The dry run prints both lines."""
+    fixed costs and the other stages stay as measured here. A stage priced on the CPU-time core probe
+    (``gemm_core_seconds``) puts that over the server's cores; one without it scales its wall-clock GEMM
+    time by the threads here. The dry run prints both probes and both lines."""
     from oracle.pipeline.judge import TOKEN_PARALLEL_EFFICIENCY, elsewhere
 
     est = {"truth": {"seconds": 1000.0, "gemm_seconds": 900.0}, "band-bf16": {"seconds": 700.0, "gemm_seconds": 640.0},
            "score": {"seconds": 30.0}}  # fmt: skip
     assert elsewhere(est, 2, 2) == 1730.0  # as many cores as here: unchanged
     assert abs(elsewhere(est, 2, 64) - (100 + 60 + 30 + (900 + 640) * 2 / 64)) < 1e-9
-    assert abs(elsewhere(est, 2, 64, 4) - (190 + 1540 * 2 / 256 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
+    assert abs(elsewhere(est, 2, 64, 8) - (190 + 1540 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
+    # the same stages on a loaded machine: the wall-clock GEMM time tripled, the one-core CPU time not
+    loaded = {"truth": {"seconds": 2800.0, "gemm_seconds": 2700.0, "gemm_core_seconds": 1800.0},
+              "band-bf16": {"seconds": 1980.0, "gemm_seconds": 1920.0, "gemm_core_seconds": 1280.0}, "score": {"seconds": 30.0}}  # fmt: skip
+    assert abs(elsewhere(loaded, 2, 64) - elsewhere(est, 2, 64)) < 1e-9
     out = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run"]).stdout
-    assert "on one 64-core server: about " in out and "on 4 hosts of 64 cores" in out, out
+    assert "on one 64-core server: about " in out and "on 8 hosts of 64 cores" in out, out
+    assert "GFLOP/s per core by CPU time" in out and "load average" in out, out
+
+
+def test_the_core_probe_reads_cpu_time_on_one_thread_and_restores_the_threads():
+    """plan.core_rates runs its products on one thread (its own CPU clock) and gives the threads back."""
+    import torch
+
+    from oracle.replay.streaming.plan import core_rates
+
+    threads = torch.get_num_threads()
+    rates = core_rates((torch.float64, torch.float32), n=128, rounds=2)
+    assert torch.get_num_threads() == threads and set(rates) == {torch.float64, torch.float32}
+    assert all(r > 0 for r in rates.values())
 
 
 def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp32_capture, monkeypatch):
