@@ -3,6 +3,7 @@
     python benchmarks/user_step.py plan                     # 36 layers, 65536 tokens: the dry run at 16G
     python benchmarks/user_step.py cut [--tokens N] [--side S] [--dtype D]  # 2 decoder layers, full ViT and head, at 16G
     python benchmarks/user_step.py judge                    # 36 layers, 65536 tokens: oracle judge's dry run at 16G
+    python benchmarks/user_step.py judge --busy 1           # the same, then again with one core kept busy: the servers' figures side by side
     options: --dir DIR (bundles; default a temporary directory), --config (Qwen3-VL-8B config.json)
 
 plan  writes a capture with Qwen3-VL-8B's shapes whose weights file is sparse (a valid safetensors
@@ -135,17 +136,42 @@ def bench_plan(d: Path, cfg_path: Path | None) -> dict:
     return p
 
 
-def bench_judge(d: Path, cfg_path: Path | None) -> int:
+def _duration_s(text: str) -> float:
+    """'1 h 30 min' / '36 min' / '12 s' / '2 d 3 h' (stages.duration) -> seconds."""
+    units = {"d": 86400, "h": 3600, "min": 60, "s": 1}
+    parts = text.split()
+    return sum(float(v) * units[u] for v, u in zip(parts[::2], parts[1::2]) if u in units)
+
+
+def bench_judge(d: Path, cfg_path: Path | None, busy: int = 0) -> int:
+    """The judge's dry run; with ``busy`` > 0 again while that many spinning processes keep cores busy:
+    the servers' figures (priced on one core's CPU-time GEMM rate, plan.core_rates) side by side."""
     cfg = vl8b_config(36) if cfg_path is None else _config(cfg_path, 36)
     inputs = packed_inputs(cfg, 65536, 448)
     for name in ("H20", "910B"):
         write_sparse_capture(d / name, cfg, inputs)
     cmd = [sys.executable, "-m", "oracle", "judge", "H20", "910B", "--dry-run", "--max-memory", "16G", "--out", "judged"]
     print("judge. Qwen3-VL-8B, 36 layers, 27-block ViT, 65536 tokens from 4 packed samples; " + " ".join(["oracle", *cmd[3:]]))
-    r = subprocess.run(cmd, cwd=d, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    print(r.stdout + r.stderr)
-    print(f"   exit {r.returncode}")
-    return r.returncode
+    figures, rc = {}, 0
+    for spinners in sorted({0, busy}):
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+        try:
+            r = subprocess.run(cmd, cwd=d, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        finally:
+            for q in spin:
+                q.kill()
+                q.wait()
+        print(f"--- {spinners} core(s) kept busy by spinning processes, load average {os.getloadavg()[0]:.1f} after:")
+        print(r.stdout + r.stderr)
+        print(f"   exit {r.returncode}")
+        rc = rc or r.returncode
+        lines = {ln.split(":")[0].strip(): ln.split("about ", 1)[1].split(" (")[0] for ln in r.stdout.splitlines() if ": about " in ln}
+        figures[spinners] = {k: _duration_s(v) for k, v in lines.items()}
+    if busy:
+        for where in figures[0]:
+            quiet, loaded = figures[0][where], figures[busy].get(where, float("nan"))
+            print(f"   {where}: {quiet / 3600:.2f} h quiet, {loaded / 3600:.2f} h with {busy} core(s) busy = {loaded / quiet:.2f}x")
+    return rc
 
 
 def _config(path: Path, layers: int) -> dict:
@@ -209,6 +235,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--side", type=int, default=448)
     ap.add_argument("--config", type=Path, default=None)
+    ap.add_argument("--busy", type=int, default=0, help="judge only: rerun the dry run with this many cores kept busy")
     ap.add_argument("--dtype", default="fp64", help="cut only: fp64 (the truth) or a band member's bf16 / amp-bf16")
     a = ap.parse_args()
     ctx = tempfile.TemporaryDirectory() if a.dir is None else None
@@ -217,7 +244,7 @@ def main() -> None:
     if a.which == "plan":
         bench_plan(d, a.config)
     elif a.which == "judge":
-        bench_judge(d, a.config)
+        bench_judge(d, a.config, a.busy)
     else:
         bench_cut(d, a.tokens, a.side, a.config, a.dtype)
     if ctx:
