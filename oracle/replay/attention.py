@@ -22,7 +22,7 @@ Backward, recomputing S chunk by chunk from q, k, v and lse (nothing T x T is st
 GEMM forms: every product whose result is narrow (head dim D columns: P V, dV = P^T dO, dQ = dS K,
 dK = dS^T Q) is computed as its transpose, D rows wide (V^T P^T, dO^T P, K^T dS^T, Q^T dS), and read
 back transposed: the same products and sums, a layout the BLAS runs 1.4-2x faster on float64 (MKL on
-2 cores at D = 64 and 128, ``python benchmarks/fused_kernels.py attention``), since it then streams
+2 cores at D = 64 and 128, ``python benchmarks/attention_gemm.py``), since it then streams
 the wide block once instead of writing a D-column strip per pass. The forward keeps its accumulator
 transposed for that (acc^T, D x rows). Not bitwise the earlier layout (the BLAS blocks the sums
 differently), within the bound below.
