@@ -36,8 +36,8 @@ Floats. Inductor's C++ is compiled without -ffinite-math-only and without unsafe
 defaults, ``cpp_builder._get_ffast_math_flags``): a NaN or Inf of the truth stays one.
 
 Switch and fallback. Opt-in: ``ORACLE_FUSED=1`` fuses; unset or 0 keeps today's path. Off by default
-because the gain measured so far (in memory 0.84x, streamed 0.97x, below) does not yet pay for a first
-compile (1.69x a warm run) in every new process and shape, the suite's many short replays included. The
+because it gains nothing on a quiet machine (in memory 1.07x, streamed 1.00x warm, below: the truth is GEMM-
+bound) and a first compile costs 1.6-1.7x a warm run in every new process and shape. The
 first use compiles a tiny probe of
 each kernel; if that fails (no C++ compiler, a compile error) the model keeps today's path,
 silently, and the reason is recorded. A later compile failure at a new shape runs the same formulas
@@ -49,8 +49,10 @@ few shapes); the compiled code is cached on disk in inductor's cache (``TORCHIND
 else ``~/.cache/oracle/inductor``), so a later process with the same shapes pays only the load.
 Nothing here runs in a training process: capture (oracle/capture/**) never imports this module.
 
-Measured (benchmarks/RESULTS.md, ``streaming.py b``, 2 cores at load 8.5-12.9, RMSNorm and SwiGLU fused):
-in memory 0.84x today's time, streamed 0.97x; the first process with an empty cache 1.69x the warm one.
+Measured (benchmarks/RESULTS.md, ``streaming.py b``): at load 8.5-12.9 (two other jobs taking the memory
+bandwidth, RMSNorm and SwiGLU fused) in memory 0.84x today's time, streamed 0.97x; quiet (load 1.7, rotary
+too) in memory 1.07x, streamed 1.00x with its shapes compiled: 80 % of the replay is GEMM (the profile there);
+the first process with an empty cache 1.6-1.7x the warm one.
 """
 
 from __future__ import annotations
