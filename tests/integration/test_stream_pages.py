@@ -85,3 +85,26 @@ def test_the_mmap_threshold_is_pinned_at_1_mib_unless_raised():
         faults[mb] = int(r.stdout.split()[-1])
     assert min(faults["1"], faults[""], faults["lots"]) > 100 * 1500, faults  # every allocation faults its pages again
     assert faults["32"] < 100 * 100, faults  # the heap's pages are reused
+
+
+def test_a_budget_with_room_runs_the_faster_mmap_threshold_and_a_tight_one_keeps_1_mib(fp32_capture, tmp_path):
+    """roomy_mmap_mb: 32 MiB (freed tensors reused from the heap, no page faults per tensor) only where the budget
+    is HEADROOM x what the run holds at 1 MiB (the heap's retention measured 1.17-1.22x); a user's
+    ORACLE_MALLOC_MMAP_MB wins either way. The streamed replay records what it ran at (manifest streaming)."""
+    import json
+
+    from helpers import run_oracle
+
+    from oracle.replay.streaming import engine
+
+    assert engine.roomy_mmap_mb(150, 100) == engine.FAST_MMAP_MB and engine.roomy_mmap_mb(149, 100) == engine.MMAP_MB
+    ran = {}
+    for name, budget, env in (("roomy", "8G", {}), ("user", "8G", {"ORACLE_MALLOC_MMAP_MB": "1"})):
+        r = run_oracle(["replay", fp32_capture, "--out", tmp_path / name, "--max-memory", budget, "--no-verify"], env=env)
+        assert r.returncode == 0, r.stderr
+        ran[name] = json.loads((tmp_path / name / "manifest.json").read_text())["streaming"]
+    assert ran["roomy"]["malloc_mmap_mb"] == engine.FAST_MMAP_MB and ran["user"]["malloc_mmap_mb"] == 1
+    tight = int(ran["roomy"]["fixed_estimate"] * 1.2)  # room for the run at 1 MiB, not for the heap's retention
+    r = run_oracle(["replay", fp32_capture, "--out", tmp_path / "tight", "--max-memory", str(tight), "--no-verify"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "tight" / "manifest.json").read_text())["streaming"]["malloc_mmap_mb"] == engine.MMAP_MB

@@ -25,8 +25,9 @@ from ...parallel import distributed
 from ...precision.mode import PrecisionMode
 from .. import fused, token_split
 from . import budget as budgets
+from . import plan as plans
 from . import workdir
-from .engine import StreamEngine, max_rss_bytes, rss_bytes, tame_malloc, work_dir
+from .engine import StreamEngine, max_rss_bytes, roomy_mmap_mb, rss_bytes, tame_malloc, work_dir
 from .journal import JOURNAL as JOURNAL_NAME
 from .journal import read_journal
 
@@ -103,13 +104,20 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 shutil.rmtree(work, ignore_errors=True)
             raise UsageError(budgets.refusal(budget, fixed, reserve["by"]))
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
+        mmap_mb = roomy_mmap_mb(0, 1)  # the user's ORACLE_MALLOC_MMAP_MB, else 1 MiB (tests forcing the store's budget)
+        if activation_budget is None:  # a budget with room for the heap's retention runs the faster threshold
+            T, P = budgets.tensor_counts(cap.manifest["tensors"]["inputs"])
+            acts = plans.boundaries(engine.model, engine.units, cap.manifest["recipe"]["config"], T, P,
+                                    torch.empty((), dtype=compute).element_size())["activations"]  # fmt: skip
+            mmap_mb = roomy_mmap_mb(budget, fixed + acts)
+            tame_malloc(mmap_mb)
         torch.manual_seed(0)
         with recorded_boundaries(inputs):
             loss = engine.run(inputs, reduction)
         member_promotions = mode.promotions + build_mode.promotions
         promotions += member_promotions
         stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
-                 "store_budget": engine.store.budget, "fixed_estimate": fixed,
+                 "store_budget": engine.store.budget, "fixed_estimate": fixed, "malloc_mmap_mb": mmap_mb,
                  "disk_written": stats.get("disk_written", 0) + engine.store.written + engine.journal.written}  # fmt: skip
         workdir.write_end(work, work / member, {"loss": loss, "order": engine.order, "promotions": member_promotions})
         losses.append(loss)
