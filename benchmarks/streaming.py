@@ -148,7 +148,7 @@ print("@@", secs, max_rss_bytes())
 
 def bench_b(d: Path, tokens: int) -> None:
     cap = write_capture(d / "b-cap", "qwen3", QWEN3_B, text_inputs(QWEN3_B["vocab_size"], [tokens]))
-    rate = gemm_rate()
+    rate = gemm_rate(reps=15)  # best of 15: one product slowed by another job misreads the machine
     hand_out = d / "b-hand.pt"
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", BY_HAND, str(cap), str(hand_out)], cwd=ROOT, capture_output=True, text=True)
@@ -181,16 +181,16 @@ def bench_b(d: Path, tokens: int) -> None:
     print("   in brackets each one's own timer (by hand: model built to backward done, after its imports; oracle: the command)")
     hs = hand["process_seconds"]
     print(f"   by-hand model.double() + sdpa:   {hs:7.1f} s [{hand['seconds']:.1f}]  peak {g(hand['peak_rss'])}")
-    print(f"   oracle, in memory:               {mem['process_seconds']:7.1f} s [{mem['seconds']:.1f}]  peak {g(mem['peak_rss'])}   "
-          f"time {mem['process_seconds'] / hs:.2f}x  (target <= 0.9x)")  # fmt: skip
-    print(f"   oracle, --max-memory {g(budget)}: {streamed['process_seconds']:7.1f} s [{streamed['seconds']:.1f}]  peak "
-          f"{g(streamed['peak_rss'])}   time {streamed['process_seconds'] / hs:.2f}x (target <= 1.0x); budget held: "
-          f"{streamed['peak_rss'] <= budget}")  # fmt: skip
     o0, s0 = Bundle(d / "b-mem0"), Bundle(d / "b-str0")
-    print(f"   before (ORACLE_FUSED=0), in memory:{mem0['process_seconds']:7.1f} s [{mem0['seconds']:.1f}]  peak {g(mem0['peak_rss'])}   "
-          f"time {mem0['process_seconds'] / hs:.2f}x")  # fmt: skip
-    print(f"   before (ORACLE_FUSED=0), streamed: {streamed0['process_seconds']:7.1f} s [{streamed0['seconds']:.1f}]  peak "
-          f"{g(streamed0['peak_rss'])}   time {streamed0['process_seconds'] / hs:.2f}x")  # fmt: skip
+    print(f"   oracle (default, ORACLE_FUSED=0), in memory: {mem0['process_seconds']:7.1f} s [{mem0['seconds']:.1f}]  peak "
+          f"{g(mem0['peak_rss'])}   time {mem0['process_seconds'] / hs:.2f}x  (target <= 0.7x)")  # fmt: skip
+    print(f"   oracle (default), --max-memory {g(budget)}: {streamed0['process_seconds']:7.1f} s [{streamed0['seconds']:.1f}]  peak "
+          f"{g(streamed0['peak_rss'])}   time {streamed0['process_seconds'] / hs:.2f}x  (target <= 0.9x); budget held: "
+          f"{streamed0['peak_rss'] <= budget}")  # fmt: skip
+    print(f"   ORACLE_FUSED=1, in memory:       {mem['process_seconds']:7.1f} s [{mem['seconds']:.1f}]  peak {g(mem['peak_rss'])}   "
+          f"time {mem['process_seconds'] / hs:.2f}x")  # fmt: skip
+    print(f"   ORACLE_FUSED=1, streamed:        {streamed['process_seconds']:7.1f} s [{streamed['seconds']:.1f}]  peak "
+          f"{g(streamed['peak_rss'])}   time {streamed['process_seconds'] / hs:.2f}x; budget held: {streamed['peak_rss'] <= budget}")  # fmt: skip
     print(f"   fused, first run (compiles, empty cache): {cold['process_seconds']:.1f} s [{cold['seconds']:.1f}] "
           f"= {cold['process_seconds'] / mem['process_seconds']:.2f}x the warm-cache run; numerics.fused: {o.manifest['numerics'].get('fused')}")  # fmt: skip
     print(f"   fused / unfused time: in memory {mem['process_seconds'] / mem0['process_seconds']:.2f}x, "
@@ -205,8 +205,8 @@ def bench_b(d: Path, tokens: int) -> None:
     print(f"   by-hand replay's own error vs the oracle: loss {loss_err:.1e} relative, worst gradient {worst:.1e} relative")
     print(f"a. FLOP rate (float64 GEMM probe {rate / 1e9:.1f} GFLOP/s), on the command's own time: in memory "
           f"{p3 / mem['seconds'] / 1e9:.1f} GFLOP/s = {p3 / mem['seconds'] / rate:.2f}x, streamed {p4 / streamed['seconds'] / 1e9:.1f} "
-          f"GFLOP/s = {p4 / streamed['seconds'] / rate:.2f}x (target >= 0.7); before (unfused): in memory "
-          f"{p3 / mem0['seconds'] / rate:.2f}x, streamed {p4 / streamed0['seconds'] / rate:.2f}x")  # fmt: skip
+          f"GFLOP/s = {p4 / streamed['seconds'] / rate:.2f}x with ORACLE_FUSED=1; the default (unfused): in memory "
+          f"{p3 / mem0['seconds'] / rate:.2f}x, streamed {p4 / streamed0['seconds'] / rate:.2f}x (target >= 0.7)")  # fmt: skip
 
 
 def vl8b_config(layers: int) -> dict:
