@@ -84,7 +84,7 @@ EXIT_CODES = {
     InputNotFound.exit_code: "an input path does not exist or cannot be read",
     BundleError.exit_code: "a bundle is malformed, damaged (hash mismatch) or of an unsupported schema",
     MismatchError.exit_code: "bundles describe different steps (inputs or weights differ), or rank captures are not one run",
-    OutputExists.exit_code: "the output directory exists (pass --overwrite to replace it), or a work folder beside it is not this run's",
+    OutputExists.exit_code: "the output directory exists (capture, replay, merge, import-log, import-msprobe: pass --overwrite to replace it; judge and demo keep --out as their own work folder, resumed, or refuse another untouched), or a work folder beside it is not this run's",
     RecipeError.exit_code: "unknown recipe, or a model directory / sample the recipe cannot use",
     LogParseError.exit_code: "a norm log could not be parsed as asked",
     OutputError.exit_code: "an output cannot be written (permission, disk full, read-only file system)",

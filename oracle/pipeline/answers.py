@@ -643,7 +643,7 @@ def not_concluded(score, local, runs, logs) -> list[str]:
                        "gradient's signature only; " + _accumulated(r["microbatches"])[1])  # fmt: skip
         elif not r["modules"]:
             how = ("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"
-                   if r.get("input_kind") == "megatron rank folder" or r.get("megatron") else "capture both with --modules (e.g. --modules all)")
+                   if r.get("input_kind") == "megatron rank folder" or r.get("megatron") else "capture both with `oracle capture --modules` (e.g. --modules all)")
             out.append(f"{r['name']}: no module boundaries were captured, so where the error is born is read end to end "
                        "(onset along the backward), not from a local replay, and the op class from the gradient's signature "
                        f"only; {how}")  # fmt: skip

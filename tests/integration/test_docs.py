@@ -106,3 +106,17 @@ def test_readme_skip_list_is_every_place_a_test_can_be_skipped_each_saying_why()
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert f"{2 * len(mod.CASES)} CUDA cases" in paragraph, paragraph
+
+
+def test_the_exit_code_6_text_names_overwrite_only_for_commands_that_have_it():
+    """Every command's --help ends with the exit-code table; code 6 names the commands where --overwrite replaces an
+    output: each of them has the option, and judge and demo (whose --out is their work folder) have none (issue 42:
+    `judge --help` said "pass --overwrite" and `judge --overwrite` was a usage error)."""
+    from oracle.errors import EXIT_CODES
+
+    command = typer.main.get_command(app)
+    has = {name: any("--overwrite" in p.opts for p in cmd.params) for name, cmd in command.commands.items()}
+    named = EXIT_CODES[6].split("(", 1)[1].split(": pass --overwrite")[0].split(", ")
+    assert named and all(has[n] for n in named), (named, has)
+    assert {n for n, h in has.items() if h} == set(named), has
+    assert not has["judge"] and not has["demo"] and "judge and demo" in EXIT_CODES[6]

@@ -20,7 +20,7 @@ def test_the_module_hint_follows_how_each_run_was_captured():
         line = next(s for s in said if s.startswith(f"{name}:"))
         assert line.endswith("capture both runs again with ORACLE_CAPTURE_MODULES=layers set beside ORACLE_CAPTURE"), line
         assert "--modules" not in line
-    assert cpu.endswith("capture both with --modules (e.g. --modules all)"), cpu
+    assert cpu.endswith("capture both with `oracle capture --modules` (e.g. --modules all)"), cpu
 
 
 def test_without_logs_it_says_which_options_check_them():

@@ -100,6 +100,9 @@ def test_bad_values_are_said_not_raised(monkeypatch, capsys, tmp_path):
     assert code == 2 and "--tokens 999999999999... (400 digits): expected a whole number >= 1" in err, err
     code, _, err = _run(capsys, str(tmp_path), "--hf-config", str(tmp_path / "none.json"))
     assert code == 3 and "none.json" in err, err
+    (tmp_path / "bogus.json").write_text('{"foo": 1}')  # a JSON object that is no model's config (a manifest, a typo'd file)
+    code, out, err = _run(capsys, str(tmp_path), "--hf-config", str(tmp_path / "bogus.json"))
+    assert code == 2 and "names no model's shape (no hidden_size, num_hidden_layers" in err and "GiB per bundle" not in out, err
 
 
 def test_a_model_id_is_found_in_the_local_caches_offline(tmp_path):

@@ -38,5 +38,5 @@ def test_a_hint_is_checked_against_the_command_it_names():
     old = "  ... 3 more layers in --json / --report"
     assert options_not_on_their_command(old, "judge") == [f"judge has no --json: {old.strip()}", f"judge has no --report: {old.strip()}"]
     assert options_not_on_their_command(old, "score") == []
-    assert options_not_on_their_command("capture both with --modules (e.g. --modules all)", "judge") == []
+    assert options_not_on_their_command("capture both with `oracle capture --modules` (e.g. --modules all)", "judge") == []
     assert options_not_on_their_command("capture with --modulez", "judge") == ["capture has no --modulez: capture with --modulez"]

@@ -146,6 +146,12 @@ def size_lines(hf_config: str, layout: dict[str, Any], modules: str | None) -> t
     if not isinstance(config, dict):
         raise ValueError(f"--hf-config {hf_config}: holds a JSON {type(config).__name__}, not a config object; give the "
                          "model's config.json (one JSON object)")  # fmt: skip
+    text = config.get("text_config", config)
+    shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")  # every HF language model's config says these
+    missing = [k for k in shape if not isinstance(text, dict) or k not in text]
+    if missing:  # capture_size fills what a config leaves out: any JSON object would price a made-up model
+        raise ValueError(f"--hf-config {hf_config}: names no model's shape (no {', '.join(missing)} in it"
+                         f"{' or its text_config' if 'text_config' not in config else ''}); give the model's Hugging Face config.json")  # fmt: skip
     try:
         s = capture_size.per_rank(config, **sizes)
         text = capture_size.render(s, **sizes)

@@ -52,20 +52,26 @@ def gemm_rate(n: int = 768, reps: int = 3, dtype: torch.dtype = torch.float64) -
     return 2 * n**3 / best
 
 
-def gemm_rates(dtypes: tuple[torch.dtype, ...], n: int = 768, rounds: int = 5) -> dict[torch.dtype, float]:
-    """``gemm_rate`` of several dtypes measured in turn, round after round (best of ``rounds`` each): a
-    load that comes and goes between two separate probes moves their ratio (the price of a float32 band
-    member against the float64 truth) far more than it moves either best."""
+def _interleaved(dtypes: tuple[torch.dtype, ...], n: int, rounds: int, clock) -> dict[torch.dtype, float]:
+    """Best ``clock`` seconds of an n x n x n product per dtype, the dtypes in turn round after round (each
+    warmed after the other's), as FLOP/s."""
     mats = {d: (torch.randn(n, n, dtype=d), torch.randn(n, n, dtype=d)) for d in dtypes}
     best = dict.fromkeys(dtypes, float("inf"))
     for r in range(rounds):
         for d in dtypes if r % 2 == 0 else dtypes[::-1]:
             a, b = mats[d]
             a @ b  # noqa: B018 -- warm this dtype's kernel after the other's
-            t = time.perf_counter()
+            t = clock()
             a @ b  # noqa: B018
-            best[d] = min(best[d], time.perf_counter() - t)
-    return {d: 2 * n**3 / s for d, s in best.items()}
+            best[d] = min(best[d], clock() - t)
+    return {d: 2 * n**3 / max(s, 1e-9) for d, s in best.items()}
+
+
+def gemm_rates(dtypes: tuple[torch.dtype, ...], n: int = 768, rounds: int = 5) -> dict[torch.dtype, float]:
+    """``gemm_rate`` of several dtypes measured in turn, round after round (best of ``rounds`` each): a
+    load that comes and goes between two separate probes moves their ratio (the price of a float32 band
+    member against the float64 truth) far more than it moves either best."""
+    return _interleaved(dtypes, n, rounds, time.perf_counter)
 
 
 def core_rates(dtypes: tuple[torch.dtype, ...], n: int = 512, rounds: int = 7) -> dict[torch.dtype, float]:
@@ -74,21 +80,12 @@ def core_rates(dtypes: tuple[torch.dtype, ...], n: int = 512, rounds: int = 7) -
     of a product, not the CPU time it needs, so this rate is the machine's and not the moment's load.
     It prices other machines (judge.elsewhere: a server's cores); the wall-clock rate (``gemm_rates``)
     prices this one, now. Best of ``rounds`` per dtype, the dtypes in turn as gemm_rates does."""
-    mats = {d: (torch.randn(n, n, dtype=d), torch.randn(n, n, dtype=d)) for d in dtypes}
-    best = dict.fromkeys(dtypes, float("inf"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the product then runs in this thread, whose CPU clock thread_time reads
     try:
-        for r in range(rounds):
-            for d in dtypes if r % 2 == 0 else dtypes[::-1]:
-                a, b = mats[d]
-                a @ b  # noqa: B018 -- warm this dtype's kernel after the other's
-                t = time.thread_time()
-                a @ b  # noqa: B018
-                best[d] = min(best[d], time.thread_time() - t)
+        return _interleaved(dtypes, n, rounds, time.thread_time)
     finally:
         torch.set_num_threads(threads)
-    return {d: 2 * n**3 / max(s, 1e-9) for d, s in best.items()}
 
 
 def _samples(cap: Bundle, total: int) -> list[int]:
