@@ -38,7 +38,31 @@ SETTLE_S = 20.0  # most a rank may take from its start to its refusal on a loade
 USER_CODES = range(2, 11)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port for the rendezvous, below the kernel's ephemeral range: between this check and rank 0's listen,
+    an ephemeral port can be taken by any connection on the machine (another run's gloo pairs: EADDRINUSE, seen
+    when two --nproc runs started at once); a port below the range only by an explicit bind. Random in
+    [10000, that range's low end), the first that binds; else one the kernel picks."""
+    import random
+
+    low = _ephemeral_low()
+    rng = random.Random()  # a process of its own state: two launchers started together draw differently
+    for _ in range(64 if low > 10001 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
