@@ -466,8 +466,6 @@ class Judge:
             t = est["truth"]["seconds"]
             lines.append("  the noise band next to the truth: " + ", ".join(
                 f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es))" for s in bands))
-        import os
-
         import torch
 
         here, f64 = torch.get_num_threads(), torch.float64

@@ -27,7 +27,7 @@ from .. import fused, token_split
 from . import budget as budgets
 from . import plan as plans
 from . import workdir
-from .engine import StreamEngine, max_rss_bytes, roomy_mmap_mb, rss_bytes, tame_malloc, work_dir
+from .engine import MMAP_MB, StreamEngine, max_rss_bytes, roomy_mmap_mb, rss_bytes, tame_malloc, user_mmap_mb, work_dir
 from .journal import JOURNAL as JOURNAL_NAME
 from .journal import read_journal
 
@@ -104,7 +104,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 shutil.rmtree(work, ignore_errors=True)
             raise UsageError(budgets.refusal(budget, fixed, reserve["by"]))
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
-        mmap_mb = roomy_mmap_mb(0, 1)  # the user's ORACLE_MALLOC_MMAP_MB, else 1 MiB (tests forcing the store's budget)
+        mmap_mb = user_mmap_mb() or MMAP_MB  # as tame_malloc set it above (tests forcing the store's budget keep it)
         if activation_budget is None:  # a budget with room for the heap's retention runs the faster threshold
             T, P = budgets.tensor_counts(cap.manifest["tensors"]["inputs"])
             acts = plans.boundaries(engine.model, engine.units, cap.manifest["recipe"]["config"], T, P,

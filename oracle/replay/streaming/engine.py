@@ -87,10 +87,13 @@ def roomy_mmap_mb(budget: int, holds: int) -> int:
     need plus all boundary activations, so nothing spills either way), where the heap's retention fits and the
     page faults of a fresh mmap per tensor are saved (benchmark b streamed: 0.71x the time, sys 20 s -> 4 s);
     else MMAP_MB, where the budget's estimate is a promise."""
+    return user_mmap_mb() or (FAST_MMAP_MB if budget >= HEADROOM * holds else MMAP_MB)
+
+
+def user_mmap_mb() -> int | None:
+    """``ORACLE_MALLOC_MMAP_MB`` when set to a whole number of MiB >= 1; None when unset or malformed."""
     value = os.environ.get("ORACLE_MALLOC_MMAP_MB", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    return FAST_MMAP_MB if budget >= HEADROOM * holds else MMAP_MB
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def tame_malloc(mb: int | None = None) -> None:
@@ -107,9 +110,7 @@ def tame_malloc(mb: int | None = None) -> None:
     a budget is a promise. So 1 MiB stays the default; 32 MiB is for a budget with room to spare, which the
     driver picks by itself (``roomy_mmap_mb``) when the user did not set the variable.
     ``_trim`` hands the heap's free pages back after every unit's backward either way."""
-    if mb is None:
-        value = os.environ.get("ORACLE_MALLOC_MMAP_MB", "")
-        mb = int(value) if value.isdigit() and int(value) > 0 else MMAP_MB  # a malformed value: the default
+    mb = mb or user_mmap_mb() or MMAP_MB  # a malformed value: the default
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, mb << 20)  # M_MMAP_THRESHOLD (setting it also stops glibc's dynamic raise)
