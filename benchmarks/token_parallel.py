@@ -10,6 +10,9 @@ Times are whole-command wall times (process start, rendezvous, the gradient tran
 the bundle write included). CPU seconds are those of all processes of the command: on a shared
 machine the wall-time ratio measures the contention as much as the replay, while
 CPU(1 process) / CPU(2 ranks) is the parallel efficiency on the work itself. Target >= 0.8 both.
+The control: two whole single processes started together (no split): each one's CPU over one alone's is
+what two busy cores cost this machine (shared caches, memory bandwidth), whatever runs on them; the split's
+own efficiency is then the control's wall (or CPU) per process over the 2 ranks' wall (or CPU per rank).
 The issue's shape is 16384 tokens; the default is 4096 so that the three runs take minutes on a
 2-core machine (``--tokens 16384`` for the full one). ``--max-memory SIZE``: all three runs streamed
 (the single process within SIZE, each rank within SIZE), so the peak RSS per rank against the one
@@ -59,6 +62,20 @@ def timed(args: list[str]) -> tuple[float, float, float, float]:
     return wall, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime, os.getloadavg()[0], peak
 
 
+def side_by_side(args: list[list[str]]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (all processes) of several oracle commands started together."""
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "oracle", *a], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for a in args]  # fmt: skip
+    for a, pr in zip(args, procs):
+        err = pr.communicate()[1]
+        if pr.returncode != 0:
+            raise SystemExit(f"oracle {' '.join(a)} failed ({pr.returncode}):\n{err[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - t, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -80,6 +97,9 @@ def main() -> None:
         t1, c1, l1, m1 = timed([*common, "--out", str(d / "one")])
         t2, c2, l2, m2 = timed([*common, "--out", str(d / "two"), "--split", "tokens", "--nproc", "2"])
         t3, c3, l3, _ = timed([*common, "--out", str(d / "two-again"), "--split", "tokens", "--nproc", "2"])
+        # the control: two whole single processes at once, no split. What each then needs over one alone is the
+        # machine's (two cores sharing caches and memory bandwidth), not the split's
+        t_pair, c_pair = side_by_side([[*common, "--out", str(d / f"pair{i}")] for i in (0, 1)])
         one, two, again = Bundle(d / "one"), Bundle(d / "two"), Bundle(d / "two-again")
         g1 = one.load_group("grads")
         rel = max(float((two.load("grads", n) - g).norm() / g.norm()) for n, g in g1.items() if g.norm() > 0)
@@ -103,8 +123,11 @@ def main() -> None:
             fixed1 = s1["fixed_estimate"]
             print(f"  process + largest unit's need per rank / 1 process: "
                   f"{', '.join(f'{x / fixed1:.2f}' for x in tp['fixed_estimate'])}")  # fmt: skip
+        print(f"  2 single processes at once (no split, the control): {t_pair:7.2f} s wall, {c_pair:7.2f} s CPU = "
+              f"{c_pair / (2 * c1):.2f}x one alone's CPU each: what two busy cores cost here")  # fmt: skip
         print(
-            f"  speed-up {t1 / t2:.2f}x; parallel efficiency wall {t1 / (2 * t2):.2f}, CPU seconds {c1 / c2:.2f} (target >= 0.8)"
+            f"  speed-up {t1 / t2:.2f}x; parallel efficiency wall {t1 / (2 * t2):.2f}, CPU seconds {c1 / c2:.2f} (target >= 0.8); "
+            f"the split's own, against the control: wall {t_pair / (2 * t2):.2f}, CPU seconds {c_pair / (2 * c2):.2f}"
         )
         print(f"  agreement with 1 process: max relative gradient difference {rel:.1e}, loss {loss_rel:.1e} (bound 1e-12); "
               f"two 2-rank runs bitwise equal: {bitwise}")  # fmt: skip

@@ -35,7 +35,7 @@ After each stage (``Calibration``)
     slowdown that persists, up to 4x the plan, is then shown within 2x; one that passes (another
     job ending between two stages: here a truth 1.8x its plan, the next band 0.44x its plan)
     misleads the next estimate half as much. At 8B the plan's own error is the GEMM efficiency's,
-    0.33-0.54 for 0.45 (1.4x at most), which the square root leaves within 1.2x. The ``io`` stages (merge, score, local score: reading and
+    0.39-0.54 for 0.5 (1.3x at most), which the square root leaves within 1.2x. The ``io`` stages (merge, score, local score: reading and
     writing bundles) keep their plan: one says nothing of another (a score 4x faster than planned
     made the next stage's estimate 4x too short). Ratios are clipped to [1/16, 16]; a reused stage
     says nothing of the machine.

@@ -72,7 +72,7 @@ def test_the_core_probe_reads_cpu_time_on_one_thread_and_restores_the_threads():
 def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp32_capture, monkeypatch):
     """An emulated member computes in float32: the planner prices its FLOPs on the float32 GEMM probe at
     EMULATED_EFFICIENCY, the truth's on the float64 probe at EFFICIENCY (same FLOPs, so a probe ratio of
-    2 prices a member at 0.45 / 0.7 of the truth); the dry run's text names the probe it used."""
+    2 prices a member at EFFICIENCY / (2 x EMULATED_EFFICIENCY) of the truth); the dry run's text names the probe it used."""
     import torch
 
     from oracle.bundle.store import Bundle

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from oracle.replay.streaming import pages
 
@@ -88,9 +89,10 @@ def test_the_mmap_threshold_is_pinned_at_1_mib_unless_raised():
 
 
 def test_a_budget_with_room_runs_the_faster_mmap_threshold_and_a_tight_one_keeps_1_mib(fp32_capture, tmp_path):
-    """roomy_mmap_mb: 32 MiB (freed tensors reused from the heap, no page faults per tensor) only where the budget
-    is HEADROOM x what the run holds at 1 MiB (the heap's retention measured 1.17-1.22x); a user's
-    ORACLE_MALLOC_MMAP_MB wins either way. The streamed replay records what it ran at (manifest streaming)."""
+    """roomy_mmap_mb: 32 MiB (freed tensors reused from the heap, no page faults per tensor) only for a float64 run
+    whose budget is HEADROOM x what it holds at 1 MiB (the heap's retention measured 1.11-1.22x there; a float32
+    member's 1.37x for 0.97x the time: members keep 1 MiB); a user's ORACLE_MALLOC_MMAP_MB wins either way. The
+    streamed replay records what it ran at (manifest streaming), and the dry run picks and prices the same."""
     import json
 
     from helpers import run_oracle
@@ -98,13 +100,25 @@ def test_a_budget_with_room_runs_the_faster_mmap_threshold_and_a_tight_one_keeps
     from oracle.replay.streaming import engine
 
     assert engine.roomy_mmap_mb(150, 100) == engine.FAST_MMAP_MB and engine.roomy_mmap_mb(149, 100) == engine.MMAP_MB
+    assert engine.roomy_mmap_mb(10**6, 100, torch.float32) == engine.MMAP_MB  # an emulated member: never
     ran = {}
-    for name, budget, env in (("roomy", "8G", {}), ("user", "8G", {"ORACLE_MALLOC_MMAP_MB": "1"})):
-        r = run_oracle(["replay", fp32_capture, "--out", tmp_path / name, "--max-memory", budget, "--no-verify"], env=env)
+    for name, dtype, env in (("roomy", "fp64", {}), ("user", "fp64", {"ORACLE_MALLOC_MMAP_MB": "1"}), ("member", "bf16", {})):
+        r = run_oracle(["replay", fp32_capture, "--out", tmp_path / name, "--max-memory", "8G", "--no-verify", "--dtype", dtype],
+                       env=env)  # fmt: skip
         assert r.returncode == 0, r.stderr
         ran[name] = json.loads((tmp_path / name / "manifest.json").read_text())["streaming"]
     assert ran["roomy"]["malloc_mmap_mb"] == engine.FAST_MMAP_MB and ran["user"]["malloc_mmap_mb"] == 1
+    assert ran["member"]["malloc_mmap_mb"] == engine.MMAP_MB
     tight = int(ran["roomy"]["fixed_estimate"] * 1.2)  # room for the run at 1 MiB, not for the heap's retention
     r = run_oracle(["replay", fp32_capture, "--out", tmp_path / "tight", "--max-memory", str(tight), "--no-verify"])
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "tight" / "manifest.json").read_text())["streaming"]["malloc_mmap_mb"] == engine.MMAP_MB
+    # the dry run picks as the run does, and prices the heap's retention where it picks the faster threshold
+    from oracle.bundle.store import Bundle
+    from oracle.replay.streaming.plan import plan
+
+    for budget, dtype, mb in ((8 << 30, "fp64", engine.FAST_MMAP_MB), (tight, "fp64", engine.MMAP_MB), (8 << 30, "bf16", 1)):
+        m = plan(Bundle(fp32_capture), dtype, budget=budget)["memory"]
+        assert m["malloc_mmap_mb"] == mb and m["heap_retention"] == (engine.HEAP_RETENTION if mb > 1 else 1.0), m
+        one = m["fixed"] + m["activations_in_memory"]  # the 1 MiB model of what the run holds
+        assert m["peak_estimate"] == round(one * m["heap_retention"]), m

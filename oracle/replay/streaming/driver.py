@@ -104,13 +104,7 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
                 shutil.rmtree(work, ignore_errors=True)
             raise UsageError(budgets.refusal(budget, fixed, reserve["by"]))
         engine.store.budget = budget - fixed if activation_budget is None else activation_budget
-        mmap_mb = user_mmap_mb() or MMAP_MB  # as tame_malloc set it above (tests forcing the store's budget keep it)
-        if activation_budget is None:  # a budget with room for the heap's retention runs the faster threshold
-            T, P = budgets.tensor_counts(cap.manifest["tensors"]["inputs"])
-            acts = plans.boundaries(engine.model, engine.units, cap.manifest["recipe"]["config"], T, P,
-                                    torch.empty((), dtype=compute).element_size())["activations"]  # fmt: skip
-            mmap_mb = roomy_mmap_mb(budget, fixed + acts)
-            tame_malloc(mmap_mb)
+        mmap_mb = _malloc_for(cap, engine, compute, budget, fixed, activation_budget)
         torch.manual_seed(0)
         with recorded_boundaries(inputs):
             loss = engine.run(inputs, reduction)
@@ -177,6 +171,22 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     return out
 
 
+
+def _malloc_for(cap: Bundle, engine: StreamEngine, compute: torch.dtype, budget: int, fixed: int,
+                activation_budget: int | None, rows: int | None = None) -> int:
+    """The mmap threshold this replay runs at, set (``tame_malloc``) and returned for the manifest: a budget with
+    room for the heap's retention above what the run holds at 1 MiB (``fixed`` + every boundary activation, at
+    ``rows`` text rows: a token-parallel rank's largest share, else the whole step) runs the faster threshold
+    (``roomy_mmap_mb``); tests that force the store's budget (``activation_budget``) keep the one set at start."""
+    if activation_budget is not None:
+        return user_mmap_mb() or MMAP_MB  # as tame_malloc set it at the start
+    T, P = budgets.tensor_counts(cap.manifest["tensors"]["inputs"])
+    acts = plans.boundaries(engine.model, engine.units, cap.manifest["recipe"]["config"], rows or T, P,
+                            torch.empty((), dtype=compute).element_size())["activations"]  # fmt: skip
+    mmap_mb = roomy_mmap_mb(budget, fixed + acts, compute)
+    tame_malloc(mmap_mb)
+    return mmap_mb
+
 def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tensor], work: Path, adopted: bool, *,
                    compute: torch.dtype, reduction: str, budget: int, overwrite: bool, progress: bool,
                    base: dict[str, Any], t0: float, activation_budget: int | None, token_chunk: int | None) -> Path:  # fmt: skip
@@ -207,6 +217,8 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
             shutil.rmtree(work, ignore_errors=True)
         raise UsageError(budgets.refusal(budget, fixed, reserve["by"]) + f" (per rank, {ranks} ranks)")
     engine.store.budget = budget - fixed if activation_budget is None else activation_budget
+    mmap_mb = _malloc_for(cap, engine, compute, budget, fixed, activation_budget, rows=max(token_parallel.Layout(
+        budgets.tensor_counts(cap.manifest["tensors"]["inputs"])[0], ranks, me).counts))  # fmt: skip
     engine.before_backward = token_split.agree
     token_split.kill_hook(engine.journal, me)
     torch.manual_seed(0)
@@ -225,7 +237,7 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
     skipped = sorted(engine.agreed or ())
     units = read_journal(work / member, "unit")
     stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
-             "store_budget": engine.store.budget, "fixed_estimate": fixed,
+             "store_budget": engine.store.budget, "fixed_estimate": fixed, "malloc_mmap_mb": mmap_mb,
              "disk_written": engine.store.written + engine.journal.written}  # fmt: skip
     promotions = mode.promotions + build_mode.promotions
     del engine

@@ -75,19 +75,23 @@ MMAP_MB = 1  # the default: freed tensors above 1 MiB leave the process, so the 
 
 
 FAST_MMAP_MB = 32  # glibc's own ceiling for its dynamic threshold: freed tensors below it are reused from the heap
-# The heap's retention at 32 MiB, measured: peak 1.22x the 1 MiB run's on benchmark b streamed (1.00 vs 0.82 GiB),
-# 1.17x on Qwen3-VL-8B's 2048-token cut (6.02 vs 5.14 GiB). A budget at least HEADROOM x what the run holds at
-# 1 MiB (its fixed need and every boundary activation in memory) takes the faster threshold without breaking.
+# The heap's retention at 32 MiB, measured (peak over the 1 MiB run's): the float64 truth 1.22x on benchmark b streamed
+# (1.00 vs 0.82 GiB), 1.11-1.17x on Qwen3-VL-8B's 2048-token cut (5.72 / 6.02 vs 5.14 GiB); a float32 band member
+# there 1.37x (4.07 vs 2.98 GiB) for 0.97x the time (148 vs 153 s: its tensors are half the size, fewer faults to
+# save). So only a float64 run whose budget is at least HEADROOM x what it holds at 1 MiB (its fixed need and every
+# boundary activation in memory) takes the faster threshold; the dry run prices its peak x HEAP_RETENTION.
 HEADROOM = 1.5
+HEAP_RETENTION = 1.2
 
 
-def roomy_mmap_mb(budget: int, holds: int) -> int:
+def roomy_mmap_mb(budget: int, holds: int, compute: torch.dtype = torch.float64) -> int:
     """The mmap threshold a streamed replay runs at (``tame_malloc``): ``ORACLE_MALLOC_MMAP_MB`` when the user
-    set it; else ``FAST_MMAP_MB`` when ``budget`` >= HEADROOM x ``holds`` (bytes the run holds at 1 MiB: fixed
-    need plus all boundary activations, so nothing spills either way), where the heap's retention fits and the
-    page faults of a fresh mmap per tensor are saved (benchmark b streamed: 0.71x the time, sys 20 s -> 4 s);
-    else MMAP_MB, where the budget's estimate is a promise."""
-    return user_mmap_mb() or (FAST_MMAP_MB if budget >= HEADROOM * holds else MMAP_MB)
+    set it; else ``FAST_MMAP_MB`` for a float64 run when ``budget`` >= HEADROOM x ``holds`` (bytes the run holds at
+    1 MiB: fixed need plus all boundary activations, so nothing spills either way), where the heap's retention fits
+    and the page faults of a fresh mmap per tensor are saved (benchmark b streamed: 0.71x the time, sys 20 s -> 4 s);
+    else MMAP_MB, where the budget's estimate is a promise (an emulated member: little to save, more retained)."""
+    fast = compute == torch.float64 and budget >= HEADROOM * holds
+    return user_mmap_mb() or (FAST_MMAP_MB if fast else MMAP_MB)
 
 
 def user_mmap_mb() -> int | None:

@@ -10,8 +10,10 @@ FLOPs (float64 multiply-adds counted as 2):
     attention   per layer, per sample of length l, with d = query heads x head dim:
                 causal text 2 l^2 d per pass, bidirectional vision (per image) 4 l^2 d per pass
     head+loss   only the loss tokens: 2 N_loss V H per pass, 4 passes (the chunked head recomputes)
-Time = FLOPs / (probe rate x 0.7), the fraction of the GEMM rate a replay reaches on transformer
-shapes (benchmarks/replay_flops.py measures it). Memory and disk: see streaming/driver.py for the split.
+Time = FLOPs / (probe rate x EFFICIENCY), the fraction of the GEMM rate a replay reaches on transformer
+shapes (benchmarks/user_step.py cut and benchmarks/streaming.py measure it). Memory and disk: see
+streaming/driver.py for the split; the peak is the 1 MiB malloc threshold's model, x HEAP_RETENTION where the
+budget has room for the faster threshold the run then picks (engine.roomy_mmap_mb).
 """
 
 from __future__ import annotations
@@ -27,16 +29,21 @@ from ...bundle.store import Bundle
 from ...capture.packing import check_boundaries
 from ...parallel.token_parallel import Layout
 from ...precision.mode import PrecisionMode
+from . import engine
 from .materialize import skeleton
 
-EFFICIENCY = 0.45  # the fraction of the GEMM probe streamed float64 replays reach: 0.47 at the 65536-token cut of Qwen3-VL-8B, 0.39-0.54 at 2048 tokens, 0.33-0.38 on benchmark b (benchmarks/RESULTS.md)
+# The fraction of the GEMM probe streamed float64 replays reach: 0.52 on Qwen3-VL-8B's 2-layer cut at 2048 tokens
+# (2026-12-05, `python benchmarks/user_step.py cut --tokens 2048 --side 224`, quiet: 238 s, after the attention's
+# transposed products), 0.47 at the 65536-token cut before them, 0.49 on benchmark b in memory (benchmarks/RESULTS.md).
+EFFICIENCY = 0.5
 # An emulated run (a band member: bf16, amp-bf16, fp16, fp32) computes in float32 (precision/mode.py) and
-# is priced on the float32 GEMM probe: it reaches 0.40 of it streamed (2 layers x 2048 hidden, 4096 tokens,
-# --max-memory 4.5G) and 0.38-0.50 in memory (hidden 1024-4096, 2048-4096 tokens), less than the float64
-# truth's share of its own probe because the rounding points add float32 elementwise passes. 0.35 prices
-# a bf16 member at 0.55-0.65x the truth at hidden >= 2048 (measured 0.51-0.63x; 0.82x at hidden 1024,
-# where the elementwise share is larger). python benchmarks/band_cost.py prints both, side by side.
-EMULATED_EFFICIENCY = 0.35
+# is priced on the float32 GEMM probe: it reaches 0.42 of it on the same 8B cut (bf16, 153 s at the 1 MiB
+# malloc threshold members run at; 0.40 streamed at 2 layers x 2048 hidden, 4096 tokens; 0.38-0.50 in memory at
+# hidden 1024-4096), less than the float64 truth's share of its own probe because the rounding points add
+# float32 elementwise passes. With EFFICIENCY that prices a bf16 member at 0.64x the truth on the 8B cut
+# (measured 0.64x: 153 / 238 s) and the 2-member band at 1.28x (measured 1.29x).
+# python benchmarks/band_cost.py prints both, side by side.
+EMULATED_EFFICIENCY = 0.4
 
 
 def gemm_rate(n: int = 768, reps: int = 3, dtype: torch.dtype = torch.float64) -> float:
@@ -167,13 +174,20 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     captured = sum(e["nbytes"] for e in _file_sizes(cap))
     held = disk_held(model, units, bounds["per_unit"], spilled, size)
     fits = budget is None or budget >= fixed
+    # the malloc threshold the run will pick (driver._malloc_for): at a faster one the heap keeps what it reuses
+    if budget is None or activation_budget is not None or not streamed:
+        mmap_mb = engine.user_mmap_mb() or engine.MMAP_MB
+    else:
+        mmap_mb = engine.roomy_mmap_mb(budget, fixed + activations, compute)
+    retention = engine.HEAP_RETENTION if mmap_mb > engine.MMAP_MB else 1.0
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
         "parameters": n_params, "units": len(units), "attention_calls": calls, "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
         "estimated_seconds": total / (rate * efficiency) / ranks, "efficiency": efficiency, "ranks": ranks,
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
                    "activations": activations, "activations_in_memory": activations - overflow,
-                   "peak_estimate": fixed + (activations - overflow)},
+                   "peak_estimate": round((fixed + (activations - overflow)) * retention),
+                   "malloc_mmap_mb": mmap_mb, "heap_retention": retention},
         "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
                  "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured,
                  "rank0_partials": (ranks - 1) * n_params * size},
@@ -293,6 +307,8 @@ def render(p: dict[str, Any]) -> str:
         f"  memory   {'per rank of ' + str(p['ranks']) + ' (split by tokens): ' if p.get('ranks', 1) > 1 else ''}"
         f"peak about {g(p['memory']['peak_estimate'])}"
         + ((" within" if p["fits"] else " ABOVE") + f" --max-memory {g(p['budget'])}" if p["budget"] else "")
+        + (f" (malloc's mmap threshold at {p['memory']['malloc_mmap_mb']} MiB, which the budget has room for: the heap "
+           f"keeps what it reuses, x{p['memory']['heap_retention']})" if p["memory"]["heap_retention"] > 1 else "")
         + f": process {g(p['memory']['process'])}, largest need {g(p['memory']['reserve'])} ({p['memory']['reserve_by']}), "
         f"boundary activations {g(p['memory']['activations'])}, {g(p['memory']['activations_in_memory'])} of them in memory",
         f"  disk     oracle gradients {g(p['disk']['gradients'])}; capture files hard-linked (else copied: "
