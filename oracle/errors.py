@@ -78,7 +78,7 @@ class RankError(OracleError):
 
 
 EXIT_CODES = {
-    0: "success (scoring finished; disagreement is reported, not an error)",
+    0: "success (done; a disagreement found is reported, not an error)",
     1: "internal error (a bug: please report it with the last frames printed)",
     UsageError.exit_code: "usage error (unknown option, missing argument, contradicting options)",
     InputNotFound.exit_code: "an input path does not exist or cannot be read",

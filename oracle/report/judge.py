@@ -46,6 +46,12 @@ def _per_run_lines(key: str, a: dict[str, Any]) -> list[str]:
     return out
 
 
+def _own_text(key: str, answer: dict[str, Any]) -> str | None:
+    """An answer's own line, or None where its per-run lines say it whole: answer 1's text is those runs' texts
+    joined (answers.noise), printed once, run by run."""
+    return None if key == "noise" and answer.get("per_run") else answer["text"]
+
+
 def bound_lines(b: dict[str, Any]) -> list[str]:
     """The analytic bound's answer under question 1: its constants, per run where it stands, where it and the band part."""
     out = []
@@ -66,7 +72,7 @@ def render_answers(doc: dict[str, Any]) -> str:
     lines = [doc["headline"], ""]
     for key, q in QUESTIONS:
         lines.append(q)
-        lines.append(f"   {a[key]['text']}")
+        lines += [f"   {t}" for t in [_own_text(key, a[key])] if t is not None]
         lines += _per_run_lines(key, a[key])
         if key == "noise" and a[key].get("band"):
             lines += [f"   {x}" for x in a[key]["band"]["lines"]]
@@ -134,7 +140,8 @@ def _html(doc: dict[str, Any], png: str) -> str:
             sub += "".join(f"<li class='band'>{e(x)}</li>" for x in a[key]["band"]["lines"])
         if key == "noise" and a.get("bound"):
             sub += "".join(f"<li class='bound'>{e(x)}</li>" for x in bound_lines(a["bound"]))
-        parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b><br>{e(a[key]['text'])}<ul>{sub}</ul></li>")
+        own = _own_text(key, a[key])
+        parts.append(f"<li id='answer-{key}'><b>{e(q[3:])}</b>{'' if own is None else '<br>' + e(own)}<ul>{sub}</ul></li>")
     parts.append("</ol><h2>Not concluded</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in doc["not_concluded"]) + "</ul>")
     parts.append(
         "<h2>Verdicts</h2><table id='verdicts'><tr><th>run</th><th>precision</th><th>band</th><th>class</th><th>verdict</th></tr>"

@@ -4,6 +4,7 @@ backward and the op class (a scale)."""
 
 from __future__ import annotations
 
+import html
 import json
 
 from helpers import options_not_on_their_command
@@ -30,6 +31,13 @@ def test_demo_then_demo_bug_in_the_same_folder_answers_honest_then_names_the_bug
     doc = json.loads((tmp_path / "demo" / "judge" / "report" / "judge.json").read_text())
     assert doc["answers"]["noise"]["faulty"] == []
     assert "replacing" not in res.stderr
+    # answer 1 says each run once: its joined text is not printed before the same runs' lines
+    report = tmp_path / "demo" / "judge" / "report"
+    for r in doc["answers"]["noise"]["per_run"]:
+        assert res.stdout.count(r["text"]) == 1 and (report / "judge.txt").read_text().count(r["text"]) == 1
+        page = (report / "index.html").read_text()
+        answer = page[page.index("<li id='answer-noise'>") : page.index("<li id='answer-farther'>")]
+        assert answer.count(html.escape(r["text"])) == 1, answer
 
     res = CliRunner().invoke(app, ["demo", "--bug", "--ensemble", "2", "--dir", str(tmp_path / "demo")])
     assert res.exit_code == 0, res.output
