@@ -187,7 +187,7 @@ def _config(path: Path, layers: int) -> dict:
 def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None, dtype: str = "fp64") -> None:
     """``dtype`` fp64: the truth; bf16 / amp-bf16: one band member (the round-to-nearest one, what
     ``judge``'s band runs first; every member has its memory), priced on the float32 probe."""
-    from oracle.replay.streaming.plan import EFFICIENCY, EMULATED_EFFICIENCY, gemm_rate
+    from oracle.replay.streaming.plan import EMULATED_EFFICIENCY, gemm_rate
 
     cfg = vl8b_config(2) if cfg_path is None else _config(cfg_path, 2)
     inputs = packed_inputs(cfg, tokens, side)
@@ -222,7 +222,7 @@ def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None, dtype: str
     cores = torch.get_num_threads()
     server = full["total_flops"] / (rate / cores * 64 * reached / rate)
     print(f"   FLOP rate reached {reached / 1e9:.1f} GFLOP/s = {reached / rate:.2f}x of the float64 GEMM probe "
-          f"({rate / 1e9:.1f} GFLOP/s on {cores} threads; target >= 0.7x; the dry run's time assumes {EFFICIENCY}x)")  # fmt: skip
+          f"({rate / 1e9:.1f} GFLOP/s on {cores} threads; target >= 0.7x; the dry run's time assumes {p['efficiency']:.2f}x)")  # fmt: skip
     print(f"   extrapolated (FLOPs of the 36-layer, 65536-token step: {full['total_flops']:.2e}): {here / 3600:.1f} h here; "
           f"{server / 3600:.2f} h on one 64-core server (probe per core x 64, same fraction of it); its memory: "
           f"{full['memory']['peak_estimate'] / G:.1f} GiB estimated ({'fits' if full['fits'] else 'does not fit'} 16 GiB)")  # fmt: skip

@@ -4,6 +4,7 @@ and the run exit 2 before any replay (the run leaves no --out behind)."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import run_oracle
 
 from oracle.pipeline.judge import Judge
@@ -71,8 +72,9 @@ def test_the_core_probe_reads_cpu_time_on_one_thread_and_restores_the_threads():
 
 def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp32_capture, monkeypatch):
     """An emulated member computes in float32: the planner prices its FLOPs on the float32 GEMM probe at
-    EMULATED_EFFICIENCY, the truth's on the float64 probe at EFFICIENCY (same FLOPs, so a probe ratio of
-    2 prices a member at EFFICIENCY / (2 x EMULATED_EFFICIENCY) of the truth); the dry run's text names the probe it used."""
+    EMULATED_EFFICIENCY, the truth's on the float64 probe, its weights' GEMMs at EFFICIENCY and its attention at
+    ATTENTION_EFFICIENCY x the diagonal share (same FLOPs, so a probe ratio of 2 prices a member at the truth's
+    effective efficiency / (2 x EMULATED_EFFICIENCY) of the truth); the dry run's text names the probe it used."""
     import torch
 
     from oracle.bundle.store import Bundle
@@ -81,7 +83,15 @@ def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp
     monkeypatch.setattr(plans, "gemm_rate", lambda dtype=torch.float64, **_: {torch.float64: 1e9, torch.float32: 2e9}[dtype])
     truth, member = (plans.plan(Bundle(fp32_capture), d, streamed=True, budget=8 << 30) for d in ("fp64", "bf16"))
     assert truth["total_flops"] == member["total_flops"] > 0
-    assert member["efficiency"] == plans.EMULATED_EFFICIENCY and truth["efficiency"] == plans.EFFICIENCY
+    assert member["efficiency"] == plans.EMULATED_EFFICIENCY
     ratio = member["estimated_seconds"] / truth["estimated_seconds"]
-    assert abs(ratio - plans.EFFICIENCY / (2 * plans.EMULATED_EFFICIENCY)) < 1e-12, ratio
+    assert abs(ratio - truth["efficiency"] / (2 * plans.EMULATED_EFFICIENCY)) < 1e-12, ratio
+    # the truth: the weights' GEMMs at EFFICIENCY, the attention at ATTENTION_EFFICIENCY x its samples' diagonal share
+    f = truth["flops"]
+    weights = (f["linear"] + f["head"]) / (1e9 * plans.EFFICIENCY)
+    shares = [plans._causal_share(n) for n in truth["samples"]]
+    assert f["attention"] > 0 and plans._causal_share(512) == 0.5 and plans._causal_share(4096) == 8 / 9
+    low, high = (f["attention"] / (1e9 * plans.ATTENTION_EFFICIENCY * s) for s in (1.0, min(shares)))  # vision: share 1
+    assert weights + low * (1 - 1e-9) <= truth["estimated_seconds"] <= weights + high * (1 + 1e-9), truth
+    assert truth["efficiency"] == pytest.approx(truth["total_flops"] / (1e9 * truth["estimated_seconds"]))
     assert "float32 GEMM probe 2.0 GFLOP/s" in plans.render(member) and "float64 GEMM probe 1.0" in plans.render(truth)

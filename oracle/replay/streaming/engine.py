@@ -79,9 +79,11 @@ FAST_MMAP_MB = 32  # glibc's own ceiling for its dynamic threshold: freed tensor
 # (1.00 vs 0.82 GiB), 1.11-1.17x on Qwen3-VL-8B's 2048-token cut (5.72 / 6.02 vs 5.14 GiB); a float32 band member
 # there 1.37x (4.07 vs 2.98 GiB) for 0.97x the time (148 vs 153 s: its tensors are half the size, fewer faults to
 # save). So only a float64 run whose budget is at least HEADROOM x what it holds at 1 MiB (its fixed need and every
-# boundary activation in memory) takes the faster threshold; the dry run prices its peak x HEAP_RETENTION.
+# boundary activation in memory) takes the faster threshold; the dry run prices its peak x HEAP_RETENTION: 1.1 puts
+# the 8B cut's estimates at 0.95x (2048 tokens: 5.45 vs 5.72 GiB) and 1.04x (16384 tokens: 8.36 vs 8.01 GiB) of the
+# measured peaks (1.2 gave 1.04x and 1.14x).
 HEADROOM = 1.5
-HEAP_RETENTION = 1.2
+HEAP_RETENTION = 1.1
 
 
 def roomy_mmap_mb(budget: int, holds: int, compute: torch.dtype = torch.float64) -> int:

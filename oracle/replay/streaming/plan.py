@@ -10,8 +10,9 @@ FLOPs (float64 multiply-adds counted as 2):
     attention   per layer, per sample of length l, with d = query heads x head dim:
                 causal text 2 l^2 d per pass, bidirectional vision (per image) 4 l^2 d per pass
     head+loss   only the loss tokens: 2 N_loss V H per pass, 4 passes (the chunked head recomputes)
-Time = FLOPs / (probe rate x EFFICIENCY), the fraction of the GEMM rate a replay reaches on transformer
-shapes (benchmarks/user_step.py cut and benchmarks/streaming.py measure it). Memory and disk: see
+Time = the weights' FLOPs / (probe rate x EFFICIENCY) + the attention's / (probe rate x ATTENTION_EFFICIENCY x
+its diagonal share) for the float64 truth; an emulated member's FLOPs / (float32 probe x EMULATED_EFFICIENCY)
+(benchmarks/user_step.py cut and benchmarks/streaming.py measure them). Memory and disk: see
 streaming/driver.py for the split; the peak is the 1 MiB malloc threshold's model, x HEAP_RETENTION where the
 budget has room for the faster threshold the run then picks (engine.roomy_mmap_mb).
 """
@@ -32,10 +33,18 @@ from ...precision.mode import PrecisionMode
 from . import engine
 from .materialize import skeleton
 
-# The fraction of the GEMM probe streamed float64 replays reach: 0.52 on Qwen3-VL-8B's 2-layer cut at 2048 tokens
-# (2026-12-05, `python benchmarks/user_step.py cut --tokens 2048 --side 224`, quiet: 238 s, after the attention's
-# transposed products), 0.47 at the 65536-token cut before them, 0.49 on benchmark b in memory (benchmarks/RESULTS.md).
-EFFICIENCY = 0.5
+# The float64 truth's time, per FLOP the plan counts, as fractions of the GEMM probe (fitted 2026-12-05, quiet, on
+# Qwen3-VL-8B's 2-layer cut, `python benchmarks/user_step.py cut --tokens N --side 224`):
+#   EFFICIENCY            the model's weights' GEMMs (linear layers, the head): 0.78 at 16384 tokens, where the cut ran at
+#                         0.74x of the probe in all (1073 s); at 2048 tokens the whole cut reached 0.52x (238 s), the
+#                         per-parameter work (weights materialised, 16 GiB of gradients written) then being a third of
+#                         it; at the user's 65536 tokens that work is minutes of hours.
+#   ATTENTION_EFFICIENCY  the exact chunked attention (replay/attention.py) per counted FLOP (causal 2 l^2 d per pass):
+#                         0.45 measured for one 4096-token sample at the 8B's heads (fwd + bwd: 77 % bmm at about 0.8x the
+#                         probe, 5 backward GEMMs against the 4 counted, the rest exp and the softmax's elementwise steps);
+#                         a causal sample of n key chunks also computes its n diagonal blocks whole: x n / (n + 1).
+EFFICIENCY = 0.78
+ATTENTION_EFFICIENCY = 0.5
 # An emulated run (a band member: bf16, amp-bf16, fp16, fp32) computes in float32 (precision/mode.py) and
 # is priced on the float32 GEMM probe: it reaches 0.42 of it on the same 8B cut (bf16, 153 s at the 1 MiB
 # malloc threshold members run at; 0.40 streamed at 2 layers x 2048 hidden, 4096 tokens; 0.38-0.50 in memory at
@@ -135,6 +144,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     images = cap.load("inputs", "image_grid_thw").prod(-1).tolist() if "image_grid_thw" in tensors else []
     passes = 4 if streamed else 3
     flops = {"linear": 0.0, "attention": 0.0, "head": 0.0}
+    attention_at = 0.0  # the truth's attention FLOPs over their efficiency: each sample's diagonal blocks (ATTENTION_EFFICIENCY)
     calls = 0  # attention kernel calls per pass: one per sample (text) or image (ViT) and attention module
     for name, mod in model.named_modules():
         vision = "visual" in name
@@ -144,8 +154,11 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
             d = mod.weight.shape[0] // (3 if name.endswith("qkv") else 1)
             if vision:
                 flops["attention"] += sum(4 * p * p * d for p in images) * passes
+                attention_at += sum(4 * p * p * d for p in images) * passes / ATTENTION_EFFICIENCY
             else:
                 flops["attention"] += sum(2 * length * length * d for length in lengths) * passes
+                attention_at += sum(2 * length * length * d * passes / (ATTENTION_EFFICIENCY * _causal_share(length))
+                                    for length in lengths)  # fmt: skip
             calls += len(images) if vision else len(lengths)
     head = getattr(model, "lm_head", None)
     n_loss = int((cap.load("inputs", "labels") != -100).sum()) if "labels" in tensors else 0
@@ -154,7 +167,11 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     n_params = sum(p.numel() for p in model.parameters())
     total = sum(flops.values())
     rate = gemm_rate(dtype=compute)  # what the run's GEMMs run in: float64 for the truth, float32 emulated
-    efficiency = EFFICIENCY if compute == torch.float64 else EMULATED_EFFICIENCY
+    if compute == torch.float64:  # the weights' GEMMs and the attention at their own fractions of the probe
+        seconds = (flops["linear"] + flops["head"]) / (rate * EFFICIENCY) + attention_at / rate
+    else:
+        seconds = total / (rate * EMULATED_EFFICIENCY)
+    efficiency = total / (rate * seconds) if seconds > 0 else EFFICIENCY  # the fraction of the probe the whole run reaches
     need = budgets.need(cap, model, recipe, compute, token_chunk, ranks=ranks)
     units = need["units"]
     T_rank = T if ranks == 1 else max(Layout(T, ranks, 0).counts)  # the largest rank's rows
@@ -183,7 +200,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     return {
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
         "parameters": n_params, "units": len(units), "attention_calls": calls, "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
-        "estimated_seconds": total / (rate * efficiency) / ranks, "efficiency": efficiency, "ranks": ranks,
+        "estimated_seconds": seconds / ranks, "efficiency": efficiency, "ranks": ranks,
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
                    "activations": activations, "activations_in_memory": activations - overflow,
                    "peak_estimate": round((fixed + (activations - overflow)) * retention),
@@ -194,6 +211,15 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
         "budget": budget, "fits": fits,
         "refusal": None if fits else budgets.refusal(budget, fixed, need["by"]),
     }  # fmt: skip
+
+
+def _causal_share(length: int) -> float:
+    """The counted share of what the exact kernel computes for one causal sample of ``length`` tokens: n key chunks of
+    CHUNK, n (n + 1) / 2 blocks computed (the diagonal ones whole) for the n^2 / 2 counted: n / (n + 1)."""
+    from ..attention import CHUNK
+
+    n = max(1, -(-length // CHUNK))
+    return n / (n + 1)
 
 
 def boundaries(model: torch.nn.Module, units: list[str], config: dict[str, Any], T: int, P: int, size: int) -> dict[str, int]:
