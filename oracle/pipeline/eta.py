@@ -34,8 +34,8 @@ After each stage (``Calibration``)
     followed rather than averaged in. The square root halves (in log) what one stage says: a
     slowdown that persists, up to 4x the plan, is then shown within 2x; one that passes (another
     job ending between two stages: here a truth 1.8x its plan, the next band 0.44x its plan)
-    misleads the next estimate half as much. At 8B the plan's own error is the GEMM efficiency's,
-    0.39-0.54 for 0.5 (1.3x at most), which the square root leaves within 1.2x. The ``io`` stages (merge, score, local score: reading and
+    misleads the next estimate half as much. At 8B the plan's own error is its efficiencies' (streaming/plan.py:
+    1.00x of the 16384-token cut, 0.68x of the 2048-token one), which the square root leaves within 1.2x. The ``io`` stages (merge, score, local score: reading and
     writing bundles) keep their plan: one says nothing of another (a score 4x faster than planned
     made the next stage's estimate 4x too short). Ratios are clipped to [1/16, 16]; a reused stage
     says nothing of the machine.

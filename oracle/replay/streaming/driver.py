@@ -171,7 +171,6 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
     return out
 
 
-
 def _malloc_for(cap: Bundle, engine: StreamEngine, compute: torch.dtype, budget: int, fixed: int,
                 activation_budget: int | None, rows: int | None = None) -> int:
     """The mmap threshold this replay runs at, set (``tame_malloc``) and returned for the manifest: a budget with
@@ -186,6 +185,7 @@ def _malloc_for(cap: Bundle, engine: StreamEngine, compute: torch.dtype, budget:
     mmap_mb = roomy_mmap_mb(budget, fixed + acts, compute)
     tame_malloc(mmap_mb)
     return mmap_mb
+
 
 def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tensor], work: Path, adopted: bool, *,
                    compute: torch.dtype, reduction: str, budget: int, overwrite: bool, progress: bool,

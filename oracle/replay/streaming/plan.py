@@ -30,6 +30,7 @@ from ...bundle.store import Bundle
 from ...capture.packing import check_boundaries
 from ...parallel.token_parallel import Layout
 from ...precision.mode import PrecisionMode
+from ..attention import CHUNK
 from . import engine
 from .materialize import skeleton
 
@@ -49,8 +50,8 @@ ATTENTION_EFFICIENCY = 0.5
 # is priced on the float32 GEMM probe: it reaches 0.42 of it on the same 8B cut (bf16, 153 s at the 1 MiB
 # malloc threshold members run at; 0.40 streamed at 2 layers x 2048 hidden, 4096 tokens; 0.38-0.50 in memory at
 # hidden 1024-4096), less than the float64 truth's share of its own probe because the rounding points add
-# float32 elementwise passes. With EFFICIENCY that prices a bf16 member at 0.64x the truth on the 8B cut
-# (measured 0.64x: 153 / 238 s) and the 2-member band at 1.28x (measured 1.29x).
+# float32 elementwise passes; 0.41 at 16384 tokens (971 s, priced at 1.01x of it). Against the truth by part a
+# member is then 0.64x the truth at 2048 tokens and 0.90x at 16384 (measured 153 / 238 s and 971 / 1073 s).
 # python benchmarks/band_cost.py prints both, side by side.
 EMULATED_EFFICIENCY = 0.4
 
@@ -216,8 +217,6 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
 def _causal_share(length: int) -> float:
     """The counted share of what the exact kernel computes for one causal sample of ``length`` tokens: n key chunks of
     CHUNK, n (n + 1) / 2 blocks computed (the diagonal ones whole) for the n^2 / 2 counted: n / (n + 1)."""
-    from ..attention import CHUNK
-
     n = max(1, -(-length // CHUNK))
     return n / (n + 1)
 
