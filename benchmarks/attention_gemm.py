@@ -1,5 +1,6 @@
 """The exact attention's float64 GEMMs in both layouts: a narrow result (D columns) against its transpose
-(D rows), the form oracle/replay/attention.py computes since issue 43.
+(D rows), the form oracle/replay/attention.py's Python loop computes since issue 43; then the whole attention
+through torch's CPU flash kernel (attention_flash.py) against that loop, in float64 and in float32.
 
     python benchmarks/attention_gemm.py [--reps 7]
 
@@ -8,7 +9,9 @@ side, with the float64 GEMM probe (768^3) measured in the same run: read the rat
 machine is shared). Shapes: one (query chunk x key chunk) block of the kernel at CHUNK = 512, the g query
 heads of a key/value head stacked as rows: benchmark b (Qwen3 text: head dim 64, 8 heads over 4 kv heads)
 and Qwen3-VL-8B (head dim 128, 32 heads over 8 kv heads). Then the whole chunked attention, forward and
-backward at 4096 tokens, causal, its GEMM FLOPs over its time against the probe.
+backward at 4096 tokens, causal, its GEMM FLOPs over its time against the probe, through the flash kernel (the
+truth's and a streamed member's path) and through the loop (a rounding mode's path), each dtype against its own
+probe; and torch's sdpa on the whole sample (one flash call, no query chunks) for scale.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from oracle.replay import attention_flash  # noqa: E402
 from oracle.replay.attention import chunked_attention  # noqa: E402
 
 
@@ -63,18 +67,40 @@ def main() -> None:
             to, tn = best(old, reps), best(new, reps)
             print(f"   {what:<16} narrow {flops / to / probe:.2f}x of the probe, transposed {flops / tn / probe:.2f}x: "
                   f"time {tn / to:.2f}x")  # fmt: skip
-        T, H = 4096, BH * g
-        qq = torch.randn(1, H, T, D, **f64, requires_grad=True)
-        kk, vv = (torch.randn(1, BH, T, D, **f64, requires_grad=True) for _ in range(2))
+        kernels(BH, g, D, reps)
 
-        def step():
-            out = chunked_attention(qq, kk, vv, causal=True)
-            out.backward(torch.ones_like(out))
 
-        t = best(step, max(2, reps // 3))
-        blocks = sum(range(1, T // 512 + 1))  # causal: the key chunks each query chunk sees
-        gemm = 7 * 2 * BH * (512 * g) * 512 * D * blocks  # 2 GEMMs forward, 5 backward (S recomputed) per block
-        print(f"   chunked_attention at {T} tokens, forward + backward: {t:.2f} s, its GEMMs at {gemm / t / probe:.2f}x of the probe")
+def kernels(BH: int, g: int, D: int, reps: int, T: int = 4096) -> None:
+    """chunked_attention forward + backward at T tokens, causal: the flash kernel, the loop, whole-sample sdpa."""
+    blocks = sum(range(1, T // 512 + 1))  # causal: the key chunks each query chunk sees
+    gemm = 7 * 2 * BH * (512 * g) * 512 * D * blocks  # 2 GEMMs forward, 5 backward (S recomputed) per block
+    usable = attention_flash.usable
+    for dtype in (torch.float64, torch.float32):
+        n = 768
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        probe = 2 * n**3 / best(lambda: a @ b, reps)
+        qq = torch.randn(1, BH * g, T, D, dtype=dtype, requires_grad=True)
+        kk, vv = (torch.randn(1, BH, T, D, dtype=dtype, requires_grad=True) for _ in range(2))
+        times = {}
+        for name, fn, use in (
+            ("flash kernel", lambda: chunked_attention(qq, kk, vv, causal=True), usable),
+            ("Python loop", lambda: chunked_attention(qq, kk, vv, causal=True), lambda q, k: False),
+            ("sdpa, whole sample", lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True), usable),
+        ):
+            attention_flash.usable = use
+
+            def step(fn=fn):
+                out = fn()
+                out.backward(torch.ones_like(out))
+
+            try:
+                times[name] = best(step, max(2, reps // 3))
+            finally:
+                attention_flash.usable = usable
+        loop = times["Python loop"]
+        for name, t in times.items():
+            print(f"   {str(dtype)[6:]} attention at {T} tokens, fwd + bwd, {name:<18} {t:6.2f} s, {gemm / t / probe:.2f}x of the "
+                  f"{str(dtype)[6:]} probe, {loop / t:.2f}x the loop's speed")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ import torch
 
 from ..errors import RecipeError
 from ..precision.mode import as_stored, emulating
+from . import attention_flash
 from .fused_gqa import FusedGQA
 
 NAME = "oracle_chunked"
@@ -107,6 +108,19 @@ def _blocks(seg, causal: bool, cq: int, ck: int, rows: tuple[int, int] | None = 
             j1 = min(j0 + ck, kend)
             ks.append((j0, j1, causal and j1 - 1 > i0))  # some key after some query: mask
         yield i0, i1, ks
+
+
+def _query_chunks(cu: list[int], causal: bool, T: int, S: int, cq: int, rows) -> list[tuple[int, int, int, int]]:
+    """(i0, i1, k0, k1) per query chunk of every sample, on ``_blocks``' grid: the keys it sees are k0..k1 (causal:
+    k1 = i1). The flash kernel's calls (attention_flash.py)."""
+    segs = _segments(cu, causal, S if rows else T, S)
+    return [(i0, i1, ks[0][0], ks[-1][1]) for seg in segs for i0, i1, ks in _blocks(seg, causal, cq, cq, rows)]
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """This call runs torch's flash kernel (attention_flash.py): no rounding mode between its steps (``exact``)
+    and a kernel that takes these heads. Under an emulating mode the loop below runs, rounded op by op."""
+    return exact() and attention_flash.usable(q, k)
 
 
 def _causal_fill_(s: torch.Tensor, g: int, i0: int, i1: int, j0: int, j1: int, value: float) -> torch.Tensor:
@@ -162,11 +176,13 @@ def _forward(q, k, v, cu, causal, scale, cq, ck, q0=0):
     """``q0``: q holds the queries q0 .. q0+T-1 of a sequence of S keys (0 for the whole sequence)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    if _flash(q, k):
+        return attention_flash.forward(q, k, v, _query_chunks(cu, causal, T, S, cq, rows), causal, scale, q0)
     g = H // Hkv
     qg = _grouped(q, Hkv) * scale  # (B, Hkv, T, g, D), a new tensor (never scale q in place): S = (q * scale) k^T
     out = torch.zeros(B, Hkv, T, g, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hkv, T, g), -math.inf, dtype=q.dtype, device=q.device)
-    rows = None if q0 == 0 and T == S else (q0, q0 + T)
     sbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if q.dtype == torch.float64 and exact() else None
     for seg in _segments(cu, causal, S if rows else T, S):
         for i0, i1, ks in _blocks(seg, causal, cq, ck, rows):
@@ -197,13 +213,16 @@ def _backward(dout, q, k, v, out, lse, cu, causal, scale, cq, ck, q0=0, dk=None,
     chunk down: the order a caller visiting row chunks last to first (streaming/layers.py) repeats."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    rows = None if q0 == 0 and T == S else (q0, q0 + T)
+    if lse.ndim == 3:  # (B, H, T): the flash kernel's forward (``_flash``); its backward
+        chunks = _query_chunks(cu, causal, T, S, cq, rows)
+        return attention_flash.backward(dout, q, k, v, out, lse, chunks, causal, scale, q0, dk, dv)
     g = H // Hkv
     qg, dog = _grouped(q, Hkv) * scale, _grouped(dout, Hkv)  # (B, Hkv, T, g, D); q * scale as in the forward
     delta = (dog * _grouped(out, Hkv)).sum(-1)  # (B, Hkv, T, g): rowsum(dO * O)
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(k) if dk is None else dk  # dS^T (q * scale): already scaled
     dv = torch.zeros_like(v) if dv is None else dv
-    rows = None if q0 == 0 and T == S else (q0, q0 + T)
     fast = q.dtype == torch.float64 and exact()
     pbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if fast else None
     dsbuf = _buffer(q, Hkv, min(cq, T) * g, min(ck, S)) if fast else None

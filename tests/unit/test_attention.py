@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oracle.precision.mode import PrecisionMode
-from oracle.replay import attention
+from oracle.replay import attention, attention_flash
 from oracle.replay.attention import AttentionLayoutError, chunked_attention, packed
 
 F64 = torch.float64
@@ -43,11 +43,20 @@ def qkv(B, H, Hkv, T, D, S=None, dtype=F64):
     return mk(B, H, T, D), mk(B, Hkv, S, D), mk(B, Hkv, S, D)
 
 
+@pytest.fixture(params=["flash", "loop"])
+def kernel(request, monkeypatch):
+    """Both kernels: torch's flash kernel (attention_flash.py, where nothing rounds) and the Python loop (a rounding
+    mode's path, and a torch whose kernel cannot group heads)."""
+    if request.param == "loop":
+        monkeypatch.setattr(attention_flash, "usable", lambda q, k: False)
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("cu", [None, [0, 7, 20, 37]], ids=["single", "packed3"])
 @pytest.mark.parametrize("chunk", [(8, 8), (5, 11), (64, 64)], ids=["divides-not", "uneven", "one-block"])
-def test_matches_eager_forward_and_backward(causal, heads, cu, chunk):
+def test_matches_eager_forward_and_backward(causal, heads, cu, chunk, kernel):
     """Outputs and q/k/v gradients equal eager float64 attention to 1e-13 relative."""
     q, k, v = qkv(2, heads[0], heads[1], 37, 8)
     out = chunked_attention(q, k, v, causal=causal, cu_seqlens=cu, chunk_q=chunk[0], chunk_k=chunk[1])
@@ -68,6 +77,39 @@ def test_chunk_divides_sequence():
     assert rel(out, eager(q, k, v, True, [0, 16, 32])) <= 1e-13
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+def test_the_flash_kernel_at_a_row_offset_agrees_with_the_loop_and_ignores_the_thread_count(heads, monkeypatch):
+    """The streamed and token-parallel call (queries a..b against the whole K, V, a key's gradient added into dK, dV):
+    torch's flash kernel within 1e-13 of the Python loop; its results bitwise the same at 1 and 2 threads."""
+    from oracle.replay.attention import _backward, _forward
+
+    torch.manual_seed(3)
+    cu, a, b, scale = [0, 11, 37], 8, 30, 0.3  # rows 8..30 cross the sample boundary at 11, chunk 4 cuts them unevenly
+    q, k, v = (t.detach() for t in qkv(1, heads[0], heads[1], 37, 8))
+    qa, do = q[:, :, a:b].contiguous(), torch.randn(1, heads[0], b - a, 8, dtype=F64)
+
+    def run():
+        out, lse = _forward(qa, k, v, cu, True, scale, 4, 4, q0=a)
+        dk, dv = torch.ones_like(k), torch.ones_like(v)  # accumulators: the call adds into them
+        dq, dk, dv = _backward(do, qa, k, v, out, lse, cu, True, scale, 4, 4, q0=a, dk=dk, dv=dv)
+        return out, lse.ndim, dq, dk, dv
+
+    flash = run()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(attention_flash, "usable", lambda q, k: False)
+    loop = run()
+    assert flash[1] == 3 and loop[1] == 4  # the flash kernel's lse (B, H, T), the loop's (B, Hkv, T, g): each path ran
+    for name, x, y, z in zip(["out", "dq", "dk", "dv"], flash[:1] + flash[2:], loop[:1] + loop[2:], one[:1] + one[2:]):
+        assert rel(x, y) <= 1e-13, name
+        assert torch.equal(x, z), name
+    assert torch.equal(flash[3][:, :, b:], torch.ones_like(k[:, :, b:]))  # keys after the rows: untouched
+
+
 def test_inputs_are_not_modified():
     """q, k, v are read only (one key/value head per query head: the grouped layout is then q itself)."""
     q, k, v = qkv(1, 2, 2, 9, 4)
@@ -76,14 +118,14 @@ def test_inputs_are_not_modified():
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
 
 
-def test_cross_attention_lengths():
+def test_cross_attention_lengths(kernel):
     """Non-causal attention with more keys than queries (S != T)."""
     q, k, v = qkv(1, 2, 2, 9, 4, S=23)
     out = chunked_attention(q, k, v, causal=False, chunk_q=4, chunk_k=5)
     assert rel(out, eager(q, k, v, False)) <= 1e-13
 
 
-def test_gradcheck():
+def test_gradcheck(kernel):
     """The custom backward agrees with float64 finite differences (causal, GQA, packed, uneven chunks)."""
     q, k, v = qkv(1, 4, 2, 9, 3)
     fn = lambda q, k, v: chunked_attention(q, k, v, causal=True, cu_seqlens=[0, 4, 9], chunk_q=3, chunk_k=2)  # noqa: E731
@@ -117,21 +159,29 @@ def test_float32_stays_float32_and_float64_never_casts():
     assert rel(out.double(), eager(qd, kd, vd, True)) < 1e-6  # float32 ulp scale
 
 
-def test_skips_masked_blocks():
-    """Cost follows the real work: a causal, packed call computes only blocks on or below the diagonal of each sample."""
+@pytest.mark.parametrize("kernel", ["flash", "loop"])
+def test_skips_masked_blocks(kernel, monkeypatch):
+    """Cost follows the real work: a causal, packed call computes only blocks on or below the diagonal of each sample,
+    through torch's flash kernel (a chunk's prefix and diagonal) and through the Python loop (a rounding mode's path)."""
+    if kernel == "loop":
+        monkeypatch.setattr(attention_flash, "usable", lambda q, k: False)
     calls = []
+    gemms = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.out, torch.ops.aten.mm.out)
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.out, torch.ops.aten.mm.out):
-                calls.append(func)
+            if func in gemms or func is attention_flash._FWD:  # is_causal: trimmed from args where it is its default
+                causal = func is attention_flash._FWD and bool(args[4] if len(args) > 4 else (kwargs or {}).get("is_causal"))
+                calls.append((func, args[0].shape[-2], args[1].shape[-2], causal))
             return func(*args, **(kwargs or {}))
 
     q, k, v = qkv(1, 2, 2, 16, 4)
     with torch.no_grad(), Count():
         chunked_attention(q, k, v, causal=True, cu_seqlens=[0, 8, 16], chunk_q=4, chunk_k=4)
-    # two samples of 2 query chunks: 1 + 2 key chunks each -> 6 blocks, 2 matmuls (S, PV) each
-    assert len(calls) == 6 * 2
+    if kernel == "loop":  # two samples of 2 query chunks: 1 + 2 key chunks each -> 6 blocks, 2 matmuls (S, PV) each
+        assert len(calls) == 6 * 2
+    else:  # per sample: chunk 1 its diagonal (causal); chunk 2 its prefix of 4 keys (all seen) and its diagonal
+        assert [c[1:] for c in calls] == [(4, 4, True), (4, 4, False), (4, 4, True)] * 2
 
 
 def test_bad_layouts_are_errors():
