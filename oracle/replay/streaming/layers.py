@@ -12,7 +12,8 @@ forward   pass 1 "collect": for each chunk the layer runs up to its attention ca
           K, V (B, Hkv, T, D); the rest of the chunk's forward is skipped (``_Collected``).
           pass 2 "compute": for each chunk the layer runs whole; its queries attend to K, V with
           the exact chunked kernel at a row offset (``attention._forward(..., q0=a)``, the ability
-          token-parallel replay uses), with the whole sequence's causal + packed boundaries.
+          token-parallel replay uses; torch's CPU flash kernel per query chunk where nothing rounds,
+          attention_flash.py), with the whole sequence's causal + packed boundaries.
 backward  K, V collected again (pass 1), dK, dV zeros; then per chunk, LAST TO FIRST: the layer
           runs with autograd on ``x[a:b]`` (a leaf); its attention is one node whose backward adds
           this chunk's queries' share into dK, dV (``attention._backward(..., dk=dK, dv=dV)``) and
@@ -45,7 +46,8 @@ the mode (no rounding between its steps), its operands and results rounded once
 (``precision.mode.kernel_io``), the logsumexp kept unrounded, a key's dK, dV summed over every
 query chunk unrounded and rounded once when final -- what the unchunked layer's sdpa op is under
 the mode (one op, rounded at its output). The two differ only in the float32 kernel's summation
-order (the flash kernel's blocks against this kernel's), which can move a result across a bf16
+order (one flash call on the whole sample against flash calls per query chunk, a chunk's prefix and
+diagonal merged by their logsumexp), which can move a result across a bf16
 rounding boundary: equal to the unchunked member in distribution, not bitwise (a layer of at most
 one chunk runs unchunked: bitwise). A jittered member's chunk i draws the same jitter in its
 collect, compute and backward passes (``_restore``), so its recomputation is its forward.
