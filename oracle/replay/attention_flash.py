@@ -15,9 +15,9 @@ calls: the prefix, keys [k0, i0), all visible (not causal); the diagonal, keys [
 top-left alignment is this block's, square). A non-causal chunk is one call on its sample's keys. The two partial
 results merge exactly (the softmax over the union):
     lse = logaddexp(lse_p, lse_d);  out = out_p * exp(lse_p - lse) + out_d * exp(lse_d - lse)
-The backward calls the kernel's backward once per part with the MERGED out and lse: it forms P = exp(S - lse) and
-Dlt = rowsum(dO * O) from them, so each part's dq, dk, dv are the exact gradients of its share of the union
-(dq summed over the parts, dk, dv added into the keys' accumulators). Chunks are visited last to first, so a key's
+The backward calls the kernel's backward once per part (a long prefix by ``KEYS`` keys) with the MERGED out and lse:
+it forms P = exp(S - lse) and Dlt = rowsum(dO * O) from them, so each call's dq, dk, dv are the exact gradients of
+its keys' share of the union (dq summed over the calls, dk, dv added into the keys' accumulators). Chunks are visited last to first, so a key's
 gradient is summed from its latest query chunk down, the order a caller visiting row chunks last to first
 (streaming/layers.py) repeats: a streamed layer's truth is bitwise its unchunked one.
 
@@ -34,6 +34,11 @@ import torch
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 GQA_SINCE = (2, 13)  # torch's CPU flash kernel takes k, v with fewer heads than q from here (2.8 does not)
+# The backward's kernel returns dk, dv for the keys it is given, new tensors added into the accumulators: a chunk's
+# prefix is given KEYS keys at a time, so that temporary stays 2 x KEYS x Hkv x D (Qwen3-VL-8B: 64 MiB in float64)
+# whatever the sample's length: less than the Python loop's two score blocks it replaces (2 x 64 MiB at CHUNK 512),
+# which the row chunk's working set in streaming/budget.py was measured with
+KEYS = 4096
 
 
 def _takes_gqa() -> bool:
@@ -84,8 +89,10 @@ def backward(dout, q, k, v, out, lse, chunks, causal: bool, scale: float, q0: in
         a, b = i0 - q0, i1 - q0
         qi, doi, oi, li = q[:, :, a:b], dout[:, :, a:b], out[:, :, a:b], lse[:, :, a:b]
         for j0, j1, c in reversed(_parts(i0, i1, k0, k1, causal)):  # the diagonal first: its keys are the latest
-            gq, gk, gv = _BWD(doi, qi, k[:, :, j0:j1], v[:, :, j0:j1], oi, li, 0.0, c, scale=scale)
-            dq[:, :, a:b] += gq
-            dk[:, :, j0:j1] += gk
-            dv[:, :, j0:j1] += gv
+            for e0 in reversed(range(j0, j1, KEYS)):  # a long prefix by KEYS keys: the kernel's dk, dv of one span at a time
+                e1 = min(e0 + KEYS, j1)
+                gq, gk, gv = _BWD(doi, qi, k[:, :, e0:e1], v[:, :, e0:e1], oi, li, 0.0, c, scale=scale)
+                dq[:, :, a:b] += gq
+                dk[:, :, e0:e1] += gk
+                dv[:, :, e0:e1] += gv
     return dq, dk, dv

@@ -77,12 +77,16 @@ def test_chunk_divides_sequence():
     assert rel(out, eager(q, k, v, True, [0, 16, 32])) <= 1e-13
 
 
+@pytest.mark.parametrize("keys", [None, 5], ids=["prefix-whole", "prefix-by-5-keys"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
-def test_the_flash_kernel_at_a_row_offset_agrees_with_the_loop_and_ignores_the_thread_count(heads, monkeypatch):
+def test_the_flash_kernel_at_a_row_offset_agrees_with_the_loop_and_ignores_the_thread_count(heads, keys, monkeypatch):
     """The streamed and token-parallel call (queries a..b against the whole K, V, a key's gradient added into dK, dV):
-    torch's flash kernel within 1e-13 of the Python loop; its results bitwise the same at 1 and 2 threads."""
+    torch's flash kernel within 1e-13 of the Python loop, a long prefix's backward given KEYS keys at a time too; its
+    results bitwise the same at 1 and 2 threads."""
     from oracle.replay.attention import _backward, _forward
 
+    if keys is not None:
+        monkeypatch.setattr(attention_flash, "KEYS", keys)
     torch.manual_seed(3)
     cu, a, b, scale = [0, 11, 37], 8, 30, 0.3  # rows 8..30 cross the sample boundary at 11, chunk 4 cuts them unevenly
     q, k, v = (t.detach() for t in qkv(1, heads[0], heads[1], 37, 8))

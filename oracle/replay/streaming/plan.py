@@ -40,12 +40,15 @@ from .materialize import skeleton
 #                         0.74x of the probe in all (1073 s); at 2048 tokens the whole cut reached 0.52x (238 s), the
 #                         per-parameter work (weights materialised, 16 GiB of gradients written) then being a third of
 #                         it; at the user's 65536 tokens that work is minutes of hours.
-#   ATTENTION_EFFICIENCY  the exact chunked attention (replay/attention.py) per counted FLOP (causal 2 l^2 d per pass):
-#                         0.45 measured for one 4096-token sample at the 8B's heads (fwd + bwd: 77 % bmm at about 0.8x the
-#                         probe, 5 backward GEMMs against the 4 counted, the rest exp and the softmax's elementwise steps);
-#                         a causal sample of n key chunks also computes its n diagonal blocks whole: x n / (n + 1).
+#   ATTENTION_EFFICIENCY  the exact attention per counted FLOP (causal 2 l^2 d per pass): the Python loop measured 0.45
+#                         for one 4096-token sample at the 8B's heads (fwd + bwd: 77 % bmm at about 0.8x the probe, 5
+#                         backward GEMMs against the 4 counted, the rest exp and the softmax's elementwise steps), priced
+#                         0.5; a causal sample of n key chunks also computes its n diagonal blocks whole: x n / (n + 1).
+#                         torch's flash kernel (attention_flash.py, since 2026-12-05) beside the loop in one run, in memory
+#                         at the 8B's heads: 1.17x its speed at 4096 tokens, 1.14x at 8192, 1.11x at 16384 (the user's
+#                         sample length; 0.48x of the probe there): 0.5 x 1.11.
 EFFICIENCY = 0.78
-ATTENTION_EFFICIENCY = 0.5
+ATTENTION_EFFICIENCY = 0.55
 # An emulated run (a band member: bf16, amp-bf16, fp16, fp32) computes in float32 (precision/mode.py) and
 # is priced on the float32 GEMM probe: it reaches 0.42 of it on the same 8B cut (bf16, 153 s at the 1 MiB
 # malloc threshold members run at; 0.40 streamed at 2 layers x 2048 hidden, 4096 tokens; 0.38-0.50 in memory at
