@@ -409,7 +409,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 # From this torch on, the CPU flash kernel takes grouped-query attention (enable_gqa=True, fewer k/v heads;
 # measured: 2.13.0 and 2.14.1 run _scaled_dot_product_flash_attention_for_cpu, 2.8.0 its math path). These
 # torches keep transformers' own sdpa as it is, and nothing below runs a torch op there.
-FUSED_GQA_SINCE = (2, 13)
+FUSED_GQA_SINCE = attention_flash.GQA_SINCE  # one version rule for the fused op and the flash kernel
 
 
 @functools.cache
@@ -421,8 +421,7 @@ def _fused_gqa_on_cpu() -> bool:
     kernel choice is asked, with every mode set aside (``as_stored``): a probe run under an emulating
     PrecisionMode would round its tensors and draw the member's jitter once per process, at whatever op first
     asked, and two processes of one run would no longer agree bitwise."""
-    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if major_minor >= FUSED_GQA_SINCE:
+    if attention_flash._takes_gqa():
         return True
     with as_stored():
         q, k = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)  # (B, H, T, D): two query heads share one k/v head
