@@ -5,11 +5,12 @@
 The embedded Qwen3 (text) architecture widened to ``--hidden`` (intermediate 3x, head_dim 64, GQA 2:1),
 ``--layers`` decoder layers, seeded weights (``replays.tiny.tiny_weights``), one packed-free sample of
 about ``--tokens`` byte tokens. One step is captured in ``--precision``, then, alternating, twice each
-(the medians are printed): the float64 truth (in memory, no certificate) and the emulated band with
-``--members`` members (1 round-to-nearest + jittered ones, oracle/precision/mode.py).
+(the medians are printed): the float64 truth (in memory, no certificate), the round-to-nearest member alone
+and the emulated band with ``--members`` members (1 round-to-nearest + jittered ones, oracle/precision/mode.py).
 
 Printed:
-  - wall time of the truth and of the band, the band's cost per member, and the band's cost with
+  - wall time of the truth and of the band, the band's cost per member, the round-to-nearest member's and
+    a jittered member's (the band less the round-to-nearest one) against the truth, and the band's cost with
     K = 1..members members as a multiple of the truth's (K x the per-member cost / truth);
   - how much of the band K members already give: per layer, band_K / band_members (the band is the
     max over members of each member's rel L2 against the truth, score/scorer.py), its smallest value
@@ -76,17 +77,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         cap = capture_recipe_step(src, sample(a.tokens), str(root / "cap"), precision=a.precision)
-        truth_t, band_t = [], []
-        for i in range(2):  # alternating, so a load change on the machine hits both alike
+        truth_t, band_t, rtn_t = [], [], []
+        for i in range(2):  # alternating, so a load change on the machine hits all alike
             truth_t.append(timed(lambda i=i: replay(cap, root / f"truth{i}", dtype="fp64", verify="off")))
+            rtn_t.append(timed(lambda i=i: replay(cap, root / f"rtn{i}", dtype=a.precision, verify="off")))
             band_t.append(timed(lambda i=i: replay(cap, root / f"band{i}", dtype=a.precision, ensemble=a.members, verify="off")))
-        truth, band = statistics.median(truth_t), statistics.median(band_t)
+        truth, band, rtn = statistics.median(truth_t), statistics.median(band_t), statistics.median(rtn_t)
         member = band / a.members
         res = score(root / "truth0", [cap], band_paths=[root / "band0"], names=[a.precision])
         layers = res["captures"][0]["layers"]
         print(f"step: {src.origin}, {a.precision} capture, {a.members} band members")
         print(f"truth (float64, in memory): {truth:.2f} s; band ({a.members} members): {band:.2f} s; "
               f"one member = {member / truth:.2f}x the truth")  # fmt: skip
+        if a.members > 1:  # the band less its round-to-nearest member (timed alone) is the jittered ones
+            print(f"round-to-nearest member alone: {rtn:.2f} s = {rtn / truth:.2f}x the truth; a jittered member "
+                  f"{(band - rtn) / (a.members - 1) / truth:.2f}x the truth")  # fmt: skip
         p64, pm = (plan(Bundle(cap), d, streamed=False) for d in ("fp64", a.precision))
         print(f"planner (what judge --dry-run prices): one member = {pm['estimated_seconds'] / p64['estimated_seconds']:.2f}x "
               f"the truth (float32 probe x {pm['efficiency']} against float64 probe x {p64['efficiency']}; FLOPs only, "

@@ -28,7 +28,9 @@ Ensemble members (``jitter_seed`` set) round ``x * (1 + u)`` to nearest instead 
 ``u`` uniform in ``[-2^-(p+2), 2^-(p+2)]`` (a quarter unit in the last place of the target format,
 ``p`` its stored mantissa bits), except where ``x`` is exactly representable in the target format
 (integers, positions, masks stay exact). A value within a quarter ulp of a rounding tie lands on
-either neighbour; each rounding error stays below 3/4 ulp. Each member is an equally legitimate
+either neighbour; each rounding error stays below 3/4 ulp. The factors ``1 + u`` are read from a pool
+drawn once per member at offsets its generator draws (``_POOL``: the cost of a jittered rounding is then
+about a round-to-nearest one's). Each member is an equally legitimate
 low-precision run; the spread of their errors against the oracle is the noise band. When the
 compute and target formats are the same (fp32) there is no exact result left to re-round, so
 non-integer values are moved by up to one ulp instead (to a neighbour with probability ~1/4 each
@@ -116,6 +118,24 @@ _DTYPE_GET = torch.Tensor.dtype.__get__
 # legitimate as one draw and as repeatable.
 _MARK_MIN = 1 << 16
 _BLOCK = 1 << 22
+
+# A jittered member's factors 1 + u come from a pool of _POOL independent draws made once per member
+# (from its seed; 32 MiB in float32), read at an offset drawn per rounding (per _BLOCK elements) from
+# the member's generator. Drawing every factor afresh ran torch's serial CPU generator at ~3 ns an
+# element: the draws, the exactness mask and the select made a jittered member 1.75x the time of a
+# round-to-nearest one (torch.profiler, one Qwen3 layer of hidden 2048 at 4096 tokens; uniform_ alone
+# 18 %). Within one rounding the factors are independent; two roundings share factors only where their
+# offsets line up, which pairs unrelated values (a GEMM's two operands: for given output (t, n) at most
+# a few k of the dot product meet the same factor), so each member is still a legitimate rounding of
+# its own, repeatable from its seed.
+_POOL = 1 << 23
+
+
+def _factor_pool(seed: int, jitter: float, dtype: torch.dtype) -> torch.Tensor:
+    # its own stream (the seed's, offset), so the member's generator, reseeded and restored by the streamed
+    # replay, only moves the offsets
+    gen = torch.Generator().manual_seed((seed + 0x5EED) % (1 << 63))
+    return torch.empty(_POOL, dtype=dtype).uniform_(-jitter, jitter, generator=gen).add_(1)
 
 
 def _called_by_the_engine() -> bool:
@@ -251,6 +271,8 @@ class PrecisionMode(TorchDispatchMode):
             self._gen = torch.Generator().manual_seed(jitter_seed)
             p = -int(math.log2(torch.finfo(round_to).eps))  # stored mantissa bits: 7 bf16, 10 fp16, 23 fp32
             self._jitter = 2.0 ** -(p + 2) if round_to != compute else 2.0**-p
+            if round_to != compute:  # drawn once per member (see _POOL), here so the process's measured
+                self._pool = _factor_pool(jitter_seed, self._jitter, compute)  # resident set holds it
 
     def __enter__(self):
         out = super().__enter__()
@@ -312,36 +334,53 @@ class PrecisionMode(TorchDispatchMode):
         else:
             out = x if fresh else torch.empty_like(x)
             src, dst = x.view(-1), out.view(-1)
-            nearest = low and self._gen is None  # round to nearest: the format's values copied straight back
-            for a in range(0, n, _BLOCK):  # (a pass and a block's temporary fewer: 0.73x the time on 2^26 float32)
-                if nearest:
-                    dst[a : a + _BLOCK].copy_(src[a : a + _BLOCK].to(self.round_to))
-                else:
-                    dst[a : a + _BLOCK] = self._round_values(src[a : a + _BLOCK])
+            for a in range(0, n, _BLOCK):  # the format's values copied straight back into the block (a pass and
+                self._round_values(src[a : a + _BLOCK], out=dst[a : a + _BLOCK])  # a temporary fewer: 0.73x the time)
         if low:
             self._record_rounded(out)
         return out
 
-    def _round_values(self, x: torch.Tensor) -> torch.Tensor:
-        r = x.to(self.round_to).to(self.compute)
+    def _round_values(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` rounded to the format (jittered in a member), into ``out`` where given (``x``'s shape,
+        contiguous; ``x`` itself allowed), else as a new tensor."""
         if self._gen is None:
-            return r
-        if self.round_to != self.compute:  # bf16 / fp16 computed in float32
-            keep = r == x  # values the format holds exactly (integers, indices, masks) are never moved
-            if bool(keep.all()):  # the result of a rounded op met again as an operand: nothing to move, no draw
-                return r
-            # x (1 + u) as x + x u in float32: u is drawn in float32 (|u| <= 2^-9 for bf16, so u itself
-            # is exact to ~2^-33) and the two float32 roundings of x u and of the sum move the point
-            # rounded by at most 2^-24 |x|, 1/2^16 of a bf16 ulp: the draw stays uniform on a grid of
-            # 2^15 points per quarter ulp. (float64 here cost 4.5x the float64 truth per member.)
-            # drawn in the logical (row-major) order of x's elements, whatever its strides: empty_like drew
-            # in memory order, so the same values laid out otherwise (an activation spilled to disk comes
-            # back contiguous) drew other jitter (issue 41: a member's band moved with the free memory)
-            u = torch.empty(x.shape, dtype=x.dtype).uniform_(-self._jitter, self._jitter, generator=self._gen)
-            return torch.where(keep, r, torch.addcmul(x, x, u).to(self.round_to).to(self.compute))
-        # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u needs float64
-        u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
-        return torch.where(x == x.round(), r, (x.double() * (1 + u)).to(self.round_to).to(self.compute))
+            r = x.to(self.round_to)
+            return r.to(self.compute) if out is None else out.copy_(r)
+        if self.round_to == self.compute:  # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u
+            u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
+            r = torch.where(x == x.round(), x, (x.double() * (1 + u)).to(self.round_to).to(self.compute))
+            return r if out is None else out.copy_(r)
+        if self._in_format(x):  # the result of a rounded op met again as an operand: nothing to move, no draw
+            if out is None:
+                return x.clone()
+            return out if out is x else out.copy_(x)
+        # x (1 + u) as one float32 product with the factor 1 + u read from the member's pool (_POOL; 1 + u held
+        # in float32 puts u on a grid of 2^14-2^15 points per quarter ulp of bf16), in the
+        # logical (row-major) order of x's elements whatever its strides (issue 41: the same values laid
+        # out otherwise must draw the same jitter), then rounded to nearest. A value the format holds
+        # exactly is never moved (x = m 2^(e-p), |x u| <= m 2^(e-2p-2) < half its ulp; at m = 2^p the
+        # step below is half as wide and x u reaches at most that tie, which rounds back to x, the even
+        # one), so integers, positions and masks stay exact without a mask.
+        moved = torch.mul(x, self._factors(x.shape), out=out) if out is not None else x * self._factors(x.shape)
+        return moved.copy_(moved.to(self.round_to))
+
+    def _in_format(self, x: torch.Tensor) -> bool:
+        """Every value of ``x`` (float32) already one of the format's: for bf16 its low 16 bits are zero
+        (read as int16 halves, one strided pass: 0.3x the time of comparing with a rounded copy)."""
+        if (self.round_to == torch.bfloat16 and x.dtype == torch.float32 and sys.byteorder == "little"
+                and x.dim() > 0 and x.stride(-1) == 1):  # fmt: skip
+            return int(torch.count_nonzero(x.view(torch.int16)[..., 0::2])) == 0
+        return torch.equal(x.to(self.round_to).to(self.compute), x)
+
+    def _factors(self, shape: torch.Size) -> torch.Tensor:
+        """``prod(shape)`` factors 1 + u for one rounding: slices of the member's pool at offsets drawn from
+        its generator (one draw per _BLOCK elements), in ``shape``."""
+        n, parts = math.prod(shape), []
+        for a in range(0, max(n, 1), _BLOCK):
+            m = min(_BLOCK, n - a)
+            o = int(torch.randint(0, self._pool.numel() - m + 1, (1,), generator=self._gen))
+            parts.append(self._pool[o : o + m])
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)
 
     def _is_low(self, x: Any) -> bool:
         r = self._low.get(id(x))

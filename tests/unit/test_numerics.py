@@ -1,3 +1,6 @@
+import math
+
+import pytest
 import torch
 
 from oracle.precision.mode import PrecisionMode
@@ -74,6 +77,31 @@ def test_a_jittered_member_draws_nothing_for_an_operand_already_in_the_format():
     assert torch.equal(moved, moved.to(torch.bfloat16).float())  # lands on the format's grid
     plain = fresh.to(torch.bfloat16).float()
     assert (moved != plain).any() and ((moved - plain).abs() <= (plain.abs() * 2**-7)).all()  # one ulp at most
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
+def test_a_jittered_rounding_never_moves_a_value_the_format_holds(fmt):
+    """A member's factors 1 + u are drawn from a pool once; no mask keeps the format's own values: the bound
+    on u does (mode._round_values). Every finite value of the format, met by the pool's extreme factors
+    (1 - 2^-(p+2) and 1 + 2^-(p+2), the edges of its draws), rounds back to itself; a value off the grid
+    beside them still moves."""
+    info = torch.finfo(fmt)
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(fmt).float()
+    values = values[values.isfinite()]
+    off_grid = torch.full((4096,), 1 + 0.4 * info.eps)  # 0.4 ulp above 1: rounds down to 1 unmoved
+    x = torch.cat([values, off_grid])
+    mode = PrecisionMode(torch.float32, fmt, "all", jitter_seed=11)
+    j = mode._jitter
+    assert j == 2.0 ** -(-int(math.log2(info.eps)) + 2)
+    assert mode._pool.min() >= 1 - j and mode._pool.max() <= 1 + j  # the draws stay in the band
+    for edge in (1 - j, 1 + j):
+        mode._pool = torch.full((2 * x.numel(),), edge)
+        got = mode._round_values(x)
+        assert torch.equal(got[: values.numel()], values), f"a {fmt} value moved by the factor {edge}"
+        assert torch.equal(got, got.to(fmt).float())
+    mode._pool = torch.full((2 * x.numel(),), 1 + j)
+    assert (mode._round_values(off_grid) == 1 + info.eps).all()  # moved by a quarter ulp past the tie: up
 
 
 def test_amp_mode_propagates_low_precision_from_inputs_held_in_bf16():
