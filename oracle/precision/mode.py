@@ -103,10 +103,11 @@ _DTYPE_GET = torch.Tensor.dtype.__get__
 # Memory of an emulated replay over a whole sequence (the glue between streamed units: residual adds,
 # the final norm, the head's input gradient scattered into the sequence; 65536 x 4096 float32 = 1 GiB a
 # tensor): rounding ``x.to(bf16).to(float32)`` makes a half and a whole copy of its tensor, a jittered
-# rounding five more (the draws, the mask, the moved value and its two conversions), and every operand
-# of every op was rounded again. Measured on Qwen3-VL's final RMSNorm, forward and backward of 16384 x
-# 4096 (benchmarks/emulated_glue.py): 10.5 tensors above the inputs round-to-nearest, 13.3 jittered,
-# against the float64 truth's 7 (its tensors twice as large). So:
+# rounding (then) five more (the draws, the mask, the moved value and its two conversions; one now, the
+# moved value: _POOL), and every operand of every op was rounded again. Measured on Qwen3-VL's final
+# RMSNorm, forward and backward of 16384 x 4096 (benchmarks/emulated_glue.py): 10.5 tensors above the
+# inputs round-to-nearest, 13.3 jittered (11.0 with the pool), against the float64 truth's 7 (its tensors
+# twice as large); with what follows 7.6 and 7.3. So:
 # - a tensor this mode rounded is recorded (id, version counter); met again as an operand it is passed
 #   as it is: rounding a rounded value gives it back (and a jittered member draws nothing for it, as
 #   ``_round``'s all-exact case already did), so the results are bitwise those of rounding it again;
@@ -366,18 +367,20 @@ class PrecisionMode(TorchDispatchMode):
 
     def _in_format(self, x: torch.Tensor) -> bool:
         """Every value of ``x`` (float32) already one of the format's: for bf16 its low 16 bits are zero
-        (read as int16 halves, one strided pass: 0.3x the time of comparing with a rounded copy)."""
-        if (self.round_to == torch.bfloat16 and x.dtype == torch.float32 and sys.byteorder == "little"
-                and x.dim() > 0 and x.stride(-1) == 1):  # fmt: skip
-            return int(torch.count_nonzero(x.view(torch.int16)[..., 0::2])) == 0
+        (read as int16 halves, one strided pass: 0.3x the time of comparing with a rounded copy), its
+        dimensions taken densest last (a transposed weight is read as it is stored)."""
+        if self.round_to == torch.bfloat16 and x.dtype == torch.float32 and sys.byteorder == "little" and x.dim() > 0:
+            x = x.permute(*sorted(range(x.dim()), key=lambda d: (x.stride(d) == 1, -x.stride(d))))
+            if x.stride(-1) == 1:
+                return int(torch.count_nonzero(x.view(torch.int16)[..., 0::2])) == 0
         return torch.equal(x.to(self.round_to).to(self.compute), x)
 
     def _factors(self, shape: torch.Size) -> torch.Tensor:
         """``prod(shape)`` factors 1 + u for one rounding: slices of the member's pool at offsets drawn from
-        its generator (one draw per _BLOCK elements), in ``shape``."""
-        n, parts = math.prod(shape), []
-        for a in range(0, max(n, 1), _BLOCK):
-            m = min(_BLOCK, n - a)
+        its generator (one draw per _BLOCK elements, at most half the pool), in ``shape``."""
+        n, parts, step = math.prod(shape), [], min(_BLOCK, self._pool.numel() // 2)
+        for a in range(0, max(n, 1), step):
+            m = min(step, n - a)
             o = int(torch.randint(0, self._pool.numel() - m + 1, (1,), generator=self._gen))
             parts.append(self._pool[o : o + m])
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape)

@@ -104,6 +104,20 @@ def test_a_jittered_rounding_never_moves_a_value_the_format_holds(fmt):
     assert (mode._round_values(off_grid) == 1 + info.eps).all()  # moved by a quarter ulp past the tie: up
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "expanded", "scalar"])
+def test_a_jittered_member_sees_whether_a_tensor_is_in_the_format_in_any_layout(layout):
+    """The exactness check (no draw where nothing would move) reads the int16 halves of whatever layout it is
+    given: one value planted off the grid is seen, wherever it sits."""
+    views = {"contiguous": lambda t: t, "transposed": lambda t: t.t(), "strided": lambda t: t[:, ::2],
+             "expanded": lambda t: t.unsqueeze(0).expand(3, -1, -1), "scalar": lambda t: t[4, 6]}  # fmt: skip
+    mode = PrecisionMode(torch.float32, torch.bfloat16, "all", jitter_seed=3)
+    held = (torch.randn(40, 30) * 5).to(torch.bfloat16).float()
+    assert mode._in_format(views[layout](held))
+    off = held.clone()
+    off[4, 6] += off[4, 6].abs() * 2**-12  # below a bf16 ulp: off the grid
+    assert not mode._in_format(views[layout](off))
+
+
 def test_amp_mode_propagates_low_precision_from_inputs_held_in_bf16():
     """Fed bf16-held inputs, an op outside autocast's lists runs in bf16 (rounded, held low) on CPU;
     CUDA's float32 list keeps exp in fp32; a bf16 and an fp32 operand promote to fp32."""
