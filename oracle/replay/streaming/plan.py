@@ -55,7 +55,11 @@ ATTENTION_EFFICIENCY = 0.55
 # hidden 1024-4096), less than the float64 truth's share of its own probe because the rounding points add
 # float32 elementwise passes; 0.41 at 16384 tokens (971 s, priced at 1.01x of it). Against the truth by part a
 # member is then 0.64x the truth at 2048 tokens and 0.90x at 16384 (measured 153 / 238 s and 971 / 1073 s).
-# python benchmarks/band_cost.py prints both, side by side.
+# python benchmarks/band_cost.py prints both, side by side. Those were round-to-nearest members; a jittered one
+# drew a fresh uniform per element and ran at 1.3x the truth by itself at 16384 tokens (the band of 2 priced at
+# 0.68x of its time); since its factors come from a pool (precision/mode.py, _POOL) it costs about 1.1x the
+# round-to-nearest one and the band of 2 is priced at 1.04x of its measured time
+# (`python benchmarks/long_samples.py --kernels flash`: 2 x 2048 streamed, one 16384-token sample).
 EMULATED_EFFICIENCY = 0.4
 
 
