@@ -123,9 +123,10 @@ _BLOCK = 1 << 22
 # A jittered member's factors 1 + u come from a pool of _POOL independent draws made once per member
 # (from its seed; 32 MiB in float32), read at an offset drawn per rounding (per _BLOCK elements) from
 # the member's generator. Drawing every factor afresh ran torch's serial CPU generator at ~3 ns an
-# element: the draws, the exactness mask and the select made a jittered member 1.75x the time of a
-# round-to-nearest one (torch.profiler, one Qwen3 layer of hidden 2048 at 4096 tokens; uniform_ alone
-# 18 %). Within one rounding the factors are independent; two roundings share factors only where their
+# element: the draws, the exactness mask and the select made a jittered member 0.78x the truth's time
+# against the round-to-nearest one's 0.47x (benchmarks/band_cost.py, 2 layers x 2048, 4096 tokens, in
+# memory; 0.52x with the pool), and the band of 2 streamed at 16384 tokens 2.04x the truth (1.51x with
+# the pool: benchmarks/long_samples.py). Within one rounding the factors are independent; two roundings share factors only where their
 # offsets line up, which pairs unrelated values (a GEMM's two operands: for given output (t, n) at most
 # a few k of the dot product meet the same factor), so each member is still a legitimate rounding of
 # its own, repeatable from its seed.
