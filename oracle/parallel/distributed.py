@@ -35,6 +35,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -290,22 +291,33 @@ def _recv_bytes(src: int) -> bytes:
 def _send_file(path: Path, dst: int) -> None:
     size = path.stat().st_size
     dist.send(torch.tensor([size], dtype=torch.int64), dst)
+    buf = torch.empty(min(CHUNK, size), dtype=torch.uint8)  # read into and sent from, piece by piece
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), dst)
+        left = size
+        while left:
+            n = f.readinto(memoryview(buf.numpy())[: min(CHUNK, left)])
+            if not n:
+                raise OSError(f"{path} ended {left} bytes short of its {size}")
+            dist.send(buf[:n], dst)
+            left -= n
 
 
-def _recv_file(path: Path, src: int) -> None:
+def _recv_pieces(src: int, write: Callable[[memoryview], None]) -> None:
+    """One file's bytes from ``src``, handed to ``write`` piece by piece (CHUNK bytes at most) as they arrive."""
     n = torch.zeros(1, dtype=torch.int64)
     dist.recv(n, src)
     left = int(n)
+    while left:
+        buf = torch.empty(min(CHUNK, left), dtype=torch.uint8)
+        dist.recv(buf, src)
+        write(memoryview(buf.numpy()))
+        left -= buf.numel()
+
+
+def _recv_file(path: Path, src: int) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as f:
-        while left:
-            buf = torch.empty(min(CHUNK, left), dtype=torch.uint8)
-            dist.recv(buf, src)
-            f.write(buf.numpy().tobytes())
-            left -= buf.numel()
+        _recv_pieces(src, f.write)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -348,15 +360,21 @@ def send_parts(tag: str, meta: dict, files: list[Path] = ()) -> None:  # type: i
         ) from None
 
 
-def recv_parts(tag: str, src: int, into: Path | None = None) -> dict:
+def recv_parts(tag: str, src: int, into: Path | None = None, sink: Callable[[dict, str], Any] | None = None) -> dict:
     """On rank 0: wait until rank ``src`` has its parts ``tag`` ready, take its JSON and its files
-    (written under ``into``, by their names)."""
+    (written under ``into``, by their names; or, with ``sink``, each file's bytes handed as they arrive to
+    ``sink(meta, name)``'s ``write`` and then its ``close``)."""
     store = _STATE["store"]
     _wait(store, [f"oracle/ready/{tag}/{src}"])
     store.set(f"oracle/go/{tag}/{src}", "1")
     try:
         meta = json.loads(_recv_bytes(src).decode())
         for name in meta["files"]:
+            if sink is not None:
+                w = sink(meta, name)
+                _recv_pieces(src, w.write)
+                w.close()
+                continue
             assert into is not None and "/" not in name and name not in (".", ".."), name
             _recv_file(into / name, src)
     except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out

@@ -18,7 +18,7 @@ What each rank holds and computes (oracle/replay/token_split.py runs the step):
               partial gradients are gathered to rank 0 and summed there in rank order (``reduce_grads``).
               Streamed (--max-memory, oracle/replay/streaming/driver.py): each rank materialises a
               unit's weights per unit and journals its partial shards; rank 0 adds them in rank order
-              at the end (oracle/replay/token_split.py ``sum_shards``): the same sums, the same bounds.
+              at the end (oracle/replay/streaming/partials.py): the same sums, the same bounds.
               A rank's decoder layers run by row chunks of its rows there (streaming/layers.py), so
               its working set is its rows' share plus the whole sequence's K, V and their gradients.
 

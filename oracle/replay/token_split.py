@@ -24,8 +24,8 @@ loss asserted float64 before backward.
 
 Streamed (``--max-memory``, oracle/replay/streaming/driver.py ``_replay_tokens``): the same swaps on
 each rank's streaming engine; ``agree`` (which journalled units every rank skips on resume),
-``kill_hook`` (fault injection for tests) and ``sum_shards`` (rank 0 adds the ranks' partial
-gradient shards in rank order) are at the end of this module.
+``kill_hook`` (fault injection for tests) are at the end of this module; rank 0 adds the ranks' partial
+gradient shards in rank order as they arrive (streaming/partials.py).
 """
 
 from __future__ import annotations
@@ -332,53 +332,3 @@ def kill_hook(journal, me: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     journal._append = killing
-
-
-SUM_ROWS = 4096  # rows per block when a one-tensor shard (the head, a token embedding) is summed
-
-
-def sum_shards(parts: list[tuple], into) -> list[tuple]:
-    """The step's gradient shards from every rank's partial ones: ``parts`` is, in rank order, (the
-    rank's member folder, its journal's unit records); -> [(file, manifest entries)], one shard per
-    unit, in rank 0's journal order (then units only later ranks reached). Each tensor is
-    ``g_0 + g_1 + ... + g_{N-1}`` added in rank order (ranks without it are left out), whole per
-    unit, or by row blocks of SUM_ROWS for a one-tensor shard (the head, an embedding: never whole
-    in memory). Elementwise additions: blocks or whole give the same bits."""
-    from safetensors import safe_open
-
-    from ..bundle.rows import RowWriter
-    from ..parallel.distributed import save_part
-
-    by_rank = [{rec["unit"]: (d / rec["file"], rec) for rec in recs} for d, recs in parts]
-    out = []
-    into.mkdir(parents=True, exist_ok=True)
-    for k, unit in enumerate(merged_order([[rec["unit"] for rec in recs] for _, recs in parts]), 1):
-        have = [m[unit] for m in by_rank if unit in m]
-        names = merged_order([list(rec["entries"]) for _, rec in have])
-        path = into / f"shard-{k:05d}.safetensors"
-        files = [safe_open(str(f), framework="pt") for f, _ in have]
-        if len(names) == 1 and len(have[0][1]["entries"][names[0]]["shape"]) >= 2:
-            name = names[0]
-            shape = have[0][1]["entries"][name]["shape"]
-            w = None
-            for v0 in range(0, shape[0], SUM_ROWS):
-                acc = None
-                for f in files:
-                    if name in f.keys():
-                        block = f.get_slice(name)[v0 : v0 + SUM_ROWS]
-                        acc = block.clone() if acc is None else acc.add_(block)
-                if w is None:
-                    w = RowWriter(path, name, shape, acc.dtype)
-                w.write(acc)
-            out.append((path, {name: w.close()}))
-            continue
-        summed = {}
-        for name in names:
-            acc = None
-            for f in files:
-                if name in f.keys():
-                    t = f.get_tensor(name)
-                    acc = t if acc is None else acc.add_(t)
-            summed[name] = acc
-        out.append((path, save_part(summed, path)))
-    return out

@@ -25,6 +25,7 @@ from ...parallel import distributed
 from ...precision.mode import PrecisionMode
 from .. import fused, token_split
 from . import budget as budgets
+from . import partials
 from . import plan as plans
 from . import workdir
 from .engine import MMAP_MB, StreamEngine, max_rss_bytes, roomy_mmap_mb, rss_bytes, tame_malloc, user_mmap_mb, work_dir
@@ -195,7 +196,7 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
     from its local copy of the capture per unit; its gradient shards are partial sums over its rows.
     Between forward and backward the ranks agree on the units they all finished (skipped on resume).
     At the end the ranks send their partial shards to rank 0 (gloo, distributed.send_parts), which
-    adds them in rank order unit by unit (token_split.sum_shards) and writes the bundle with the
+    adds them in rank order unit by unit as they arrive (partials.py) and writes the bundle with the
     single-process streamed layout (one shard per unit)."""
     from ...parallel import token_parallel
     from .. import token_split
@@ -246,12 +247,8 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
         distributed.finish()
         shutil.rmtree(work, ignore_errors=True)
         return out
-    parts = [(work / member, units)]
-    for r in range(1, ranks):
-        into = work / f"from-rank{r}"
-        into.mkdir(exist_ok=True)
-        parts.append((into, distributed.recv_parts("tokens", r, into)["units"]))
-    shards = token_split.sum_shards(parts, work / "summed")
+    shards = partials.add_received((work / member, units), ranks,
+                                   lambda r, sink: distributed.recv_parts("tokens", r, sink=sink), work / "summed")  # fmt: skip
     T = int(inputs["tokens" if "tokens" in inputs else "input_ids"].shape[-1])
     with BundleWriter(out, "oracle", overwrite=overwrite) as w:
         w.manifest.update(base)
