@@ -42,8 +42,18 @@ from .stages import Progress, Stages, duration, manifest_fingerprint
 ENSEMBLE = BAND_MEMBERS  # score/tolerance.py: why 2
 RULE = "calibrated-5"  # the threshold's rule (score/calibrate.py, its direction and loss thresholds; the loss's logit slope): a score stage of another rule is redone
 LOCAL_ROWS = "inputs-5"  # what a local replay's rows hold (replay/local.py: input rows, entry rows per recorded stack with their writers, residual branches, the forward output as one factor): a local stage of another is redone
-# measured 0.60-0.79 for 2 ranks at 2k-16k tokens (python benchmarks/token_parallel.py)
+# The token-parallel truth's CPU-seconds efficiency on 2 ranks (python benchmarks/token_parallel.py --max-memory 8G):
+# 0.60-0.79 over earlier sessions at 2k-16k tokens; 0.77 at 4096 and 0.81 / 0.84 at 8192 tokens once rank 0 added the
+# partial gradients as they arrived (2026-12-05; wall 0.68 and 0.75-0.78 on 2 shared cores). Kept at 0.7: across
+# hosts the K/V exchanges cross a network, and each rank's fixed costs (start-up, its whole partial gradient set) stay.
 TOKEN_PARALLEL_EFFICIENCY = 0.7
+# Rank 0 of the token-parallel truth adds every other rank's partial gradients (each one the whole model's gradient set,
+# replay/streaming/partials.py): (hosts - 1) x the gradients' bytes pass through it one rank after another, whatever
+# the cores. Measured, rank 0's own work per received byte (read off the wire, added to the sum so far, written,
+# hashed): 0.45-0.46 GB/s (`python benchmarks/partial_sums.py --gb 1 --ranks 3`, 2 cores; 0.16 GB/s by the earlier
+# write-then-sum path); 0.22 GB/s in the 2-rank step of benchmarks/token_parallel.py, whose sender shares those 2
+# cores. A 10 Gb/s link (1.25 GB/s) is not what bounds it.
+RANK0_SUM_BYTES_PER_S = 0.45e9
 BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (megatron/boundaries.py: vision blocks, sub-modules through a fused norm): a merge stage of another is redone
 
 
@@ -51,17 +61,28 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     """The dry run's total on ``hosts`` machines of ``cores`` cores each, from this machine's estimate.
     A replay stage's GEMM part scales with the cores, the float64 GEMM being compute-bound on every core:
     on the server it is ``gemm_core_seconds`` (its GEMMs on one core of this machine, priced on the CPU-time
-    probe ``plan.core_rates``, which a busy machine does not slow) over the server's cores; over several
-    hosts the token-parallel split loses what its exchanges cost (``TOKEN_PARALLEL_EFFICIENCY``). A stage
+    probe ``plan.core_rates``, which a busy machine does not slow) over the server's cores. A stage
     estimated without that probe scales its wall-clock GEMM time here (``here`` threads) instead. The rest
     (building, reading, writing, the score and the report) is kept as measured here: it does not shrink
     with cores, so the figure is conservative there and optimistic only if a server's per-core GEMM rate is
-    below this machine's."""
-    parallel = cores * hosts * (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
+    below this machine's.
+    Over several hosts (--nproc / torchrun) only the truth splits by tokens: its GEMMs over every host's cores
+    at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's sum of the other ranks' partial gradients
+    (``RANK0_SUM_BYTES_PER_S``, the truth's ``gradients`` bytes). A band member runs whole on one host
+    (members are dealt round-robin, replay/run.py): a stage of ``members`` takes ceil(members / hosts) of them
+    one after another on one host's cores. Other stages spread over every core, as the truth's GEMMs."""
     total = 0.0
-    for e in est.values():
+    for name, e in est.items():
         gemm = e.get("gemm_seconds", 0.0)
-        total += e["seconds"] - gemm + e.get("gemm_core_seconds", gemm * here) / parallel
+        core = e.get("gemm_core_seconds", gemm * here)
+        if hosts > 1 and e.get("members"):
+            per_host = -(-e["members"] // hosts)  # ceil: members on the busiest host
+            total += e["seconds"] - gemm + core / e["members"] * per_host / cores
+            continue
+        parallel = cores * hosts * (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
+        total += e["seconds"] - gemm + core / parallel
+        if hosts > 1 and name == "truth":
+            total += (hosts - 1) * e.get("gradients", 0) / RANK0_SUM_BYTES_PER_S
     return total
 
 
@@ -383,6 +404,7 @@ class Judge:
         core_s = lambda q: gemm_s(q) * rates[compute[q["dtype"]]] / cores[compute[q["dtype"]]]  # noqa: E731 -- one core's GEMM seconds
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe), "flops": base["total_flops"],
+                        "gradients": base["disk"]["gradients"],
                         "gemm_seconds": gemm_s(base), "gemm_core_seconds": core_s(base),
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
@@ -390,6 +412,7 @@ class Judge:
             q = plans[prec]
             est[f"band-{prec}"] = {"seconds": eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
                                    "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(), "gemm_core_seconds": core_s(q) * self.ensemble,
+                                   "members": self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         for i, lay in enumerate(self.layouts):  # TP x (the truth + every band member), in memory
@@ -477,7 +500,8 @@ class Judge:
             t = elsewhere(est, here, cores, hosts)
             where = f"on one {cores}-core server" if hosts == 1 else f"on {hosts} hosts of {cores} cores (--nproc / torchrun)"
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
-                         + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY}" if hosts > 1 else "")
+                         + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY} for the truth, each band member on one host's"
+                            f" {cores}, rank 0's sum of {hosts - 1} partial gradient sets" if hosts > 1 else "")
                          + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused
 

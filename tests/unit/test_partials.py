@@ -47,16 +47,18 @@ def _ranks(tmp: Path, ranks: int) -> tuple[list[tuple[Path, list[dict]]], dict]:
     return parts, grads
 
 
-def _feeder(parts, sizes: list[int]):
+def _feeder(parts, sizes: list[int], seen: list | None = None):
     """distributed.recv_parts' protocol without gloo: each file's bytes handed to the sink in pieces of ``sizes``
-    (cycled), then closed."""
+    (cycled), then closed. ``seen``: (rank, unit, the sink) of every file."""
 
     def receive(r: int, sink):
         folder, recs = parts[r]
         meta = {"units": recs, "files": [rec["file"] for rec in recs]}
-        for name in meta["files"]:
+        for rec, name in zip(recs, meta["files"]):
             data = memoryview((folder / name).read_bytes())
             w, at, k = sink(meta, name), 0, 0
+            if seen is not None:
+                seen.append((r, rec["unit"], w))
             while at < len(data):
                 step = sizes[k % len(sizes)]
                 w.write(data[at : at + step])
@@ -73,10 +75,17 @@ def _digest(folder: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("sizes", [[64 << 20], [3, 5, 4093, 1 << 16]], ids=["whole", "ragged"])
-def test_streamed_sum_is_the_rank_order_sum_bit_for_bit(tmp_path, ranks, sizes):
+@pytest.mark.parametrize("hash_last", [False, True], ids=["hash-each", "hash-last"])
+def test_streamed_sum_is_the_rank_order_sum_bit_for_bit(tmp_path, ranks, sizes, hash_last):
     parts, grads = _ranks(tmp_path, ranks)
     own_before = _digest(parts[0][0])
-    out = partials.add_received(parts[0], ranks, _feeder(parts, sizes), tmp_path / "summed")
+    last = partials.holders([[rec["unit"] for rec in recs] for _, recs in parts]) if hash_last else None
+    seen = []
+    out = partials.add_received(parts[0], ranks, _feeder(parts, sizes, seen), tmp_path / "summed", last)
+    for r, unit, adder in seen:  # a partial sum is hashed only where no later rank adds to it
+        assert adder.hashing == (not hash_last or r == max(q for q in range(ranks) if unit in HELD[q])), (r, unit)
+    if hash_last and ranks == 3:
+        assert any(a.adding and not a.hashing for _, _, a in seen)  # the case this covers: sums not hashed
 
     order = [u for u in ["layer", "head", "only0", "part", "only1"] if any(u in HELD[r] for r in range(ranks))]
     assert [p.name for p, _ in out] == [f"shard-{k:05d}.safetensors" for k in range(1, len(order) + 1)]

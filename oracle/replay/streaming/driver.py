@@ -235,8 +235,9 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
         held = token_parallel.gather_ints(engine.store.peak_in_memory + engine.store.spilled_bytes)  # boundary activations
         reserves = token_parallel.gather_ints(fixed)
         resumed = any(token_parallel.gather_ints(int(resumed_here)))
+        units = read_journal(work / member, "unit")
+        last = partials.holders(token_parallel.gather_lists([u["unit"] for u in units]))  # whose partial is added last
     skipped = sorted(engine.agreed or ())
-    units = read_journal(work / member, "unit")
     stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
              "store_budget": engine.store.budget, "fixed_estimate": fixed, "malloc_mmap_mb": mmap_mb,
              "disk_written": engine.store.written + engine.journal.written}  # fmt: skip
@@ -248,7 +249,7 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
         shutil.rmtree(work, ignore_errors=True)
         return out
     shards = partials.add_received((work / member, units), ranks,
-                                   lambda r, sink: distributed.recv_parts("tokens", r, sink=sink), work / "summed")  # fmt: skip
+                                   lambda r, sink: distributed.recv_parts("tokens", r, sink=sink), work / "summed", last)  # fmt: skip
     T = int(inputs["tokens" if "tokens" in inputs else "input_ids"].shape[-1])
     with BundleWriter(out, "oracle", overwrite=overwrite) as w:
         w.manifest.update(base)

@@ -79,6 +79,11 @@ def sum_unit(have: list[tuple[Path, Record]], path: Path) -> dict[str, dict]:
     return save_part(summed, path)
 
 
+def holders(lists: list[list[str]]) -> dict[str, int]:
+    """Unit -> the last rank holding a partial of it, from every rank's list of units (rank order)."""
+    return {u: r for r, units in enumerate(lists) for u in units}
+
+
 def _read_header(path: Path) -> tuple[bytes, dict]:
     """A safetensors file's header: (its bytes, length prefix included; the parsed JSON)."""
     with open(path, "rb") as f:
@@ -132,8 +137,8 @@ class Adder:
     accumulated file ``acc`` and written to ``out`` when the layouts match (module docstring), else written to
     ``out`` as received. ``entries`` after ``close``: the sum's manifest entries (None for a received copy)."""
 
-    def __init__(self, acc: Path | None, out: Path, pipeline: Pipeline):
-        self.acc, self.out, self._pipe = acc, out, pipeline
+    def __init__(self, acc: Path | None, out: Path, pipeline: Pipeline, hashing: bool = True):
+        self.acc, self.out, self._pipe, self.hashing = acc, out, pipeline, hashing
         self.adding: bool | None = None  # None until the received header is whole
         self.entries: dict[str, dict] | None = None
         self._head = bytearray()
@@ -195,6 +200,9 @@ class Adder:
         self._pos += n
         parts = [(name, view[max(b, p0) - p0 : min(e, p0 + n) - p0]) for b, e, name in self._spans if max(b, p0) < min(e, p0 + n)]
 
+        if not self.hashing:  # a partial sum a later rank adds to: its hashes would never be read
+            parts = []
+
         def write() -> None:
             self._f.write(view)
             for name, part in parts:
@@ -214,18 +222,22 @@ class Adder:
             self._src.close()
             if self._carry or self._pos != self._size:
                 raise ValueError(f"{self.out.name}: received {self._pos + len(self._carry)} data bytes of {self._size}")
-            self.entries = {name: {"dtype": "float64", "shape": self._shapes[name], "sha256": h.hexdigest(),
-                                   "value_sha256": v.hexdigest()} for name, (h, v) in self._hash.items()}  # fmt: skip
+            if self.hashing:
+                self.entries = {name: {"dtype": "float64", "shape": self._shapes[name], "sha256": h.hexdigest(),
+                                       "value_sha256": v.hexdigest()} for name, (h, v) in self._hash.items()}  # fmt: skip
         self._f.close()  # fsynced once, with the bundle's other files, before it is published (BundleWriter)
 
 
 Receive = Callable[[int, Callable[[dict, str], Adder]], dict]
 
 
-def add_received(own: tuple[Path, list[Record]], ranks: int, receive: Receive, into: Path) -> list[tuple[Path, dict]]:
+def add_received(own: tuple[Path, list[Record]], ranks: int, receive: Receive, into: Path,
+                 last: dict[str, int] | None = None) -> list[tuple[Path, dict]]:  # fmt: skip
     """On rank 0: its own partials (folder, journal unit records) and every other rank's, taken in rank order
     by ``receive(r, sink)`` (distributed.recv_parts: rank r's meta, each file's bytes into ``sink(meta, name)``)
-    -> [(file under ``into``, manifest entries)], one shard per unit, named shard-00001... in unit order."""
+    -> [(file under ``into``, manifest entries)], one shard per unit, named shard-00001... in unit order.
+    ``last``: unit -> the last rank holding it (``holders``); a sum is hashed only once that rank is added
+    (with 8 ranks, 1 hashing pass over the gradients instead of 7). None: every sum is hashed."""
     into.mkdir(parents=True, exist_ok=True)
     folder, recs = own
     acc: dict[str, tuple[Path, Record]] = {rec["unit"]: (folder / rec["file"], rec) for rec in recs}
@@ -233,7 +245,7 @@ def add_received(own: tuple[Path, list[Record]], ranks: int, receive: Receive, i
     pipeline = Pipeline(CHUNK + 8)  # a piece and the few bytes a misaligned one carries
     orders = [[rec["unit"] for rec in recs]]
     try:
-        _receive_all(acc, ours, orders, ranks, receive, into, pipeline)
+        _receive_all(acc, ours, orders, ranks, receive, into, pipeline, last)
     finally:
         pipeline.close()
     out = []
@@ -247,12 +259,14 @@ def add_received(own: tuple[Path, list[Record]], ranks: int, receive: Receive, i
                 shutil.copyfile(path, dst)
         else:
             os.replace(path, dst)
+        if any(e is None for e in rec["entries"].values()):
+            raise ValueError(f"unit {unit}: its sum was left unhashed, though no later rank added to it ({last})")
         out.append((dst, {n: rec["entries"][n] for n in rec["entries"]}))
     return out
 
 
 def _receive_all(acc: dict[str, tuple[Path, Record]], ours: set[Path], orders: list[list[str]], ranks: int, receive: Receive,
-                 into: Path, pipeline: Pipeline) -> None:  # fmt: skip
+                 into: Path, pipeline: Pipeline, last: dict[str, int] | None) -> None:  # fmt: skip
     """Ranks 1.. in order, each file added into ``acc`` (unit -> its sum so far) as it arrives (add_received)."""
     for r in range(1, ranks):
         sinks: dict[str, tuple[Record, Adder]] = {}
@@ -260,7 +274,9 @@ def _receive_all(acc: dict[str, tuple[Path, Record]], ours: set[Path], orders: l
         def sink(meta: dict, name: str, r: int = r) -> Adder:
             rec = next(u for u in meta["units"] if u["file"] == name)
             have = acc.get(rec["unit"])
-            sinks[name] = (rec, Adder(have[0] if have else None, into / f"rank{r}-{len(sinks):05d}.safetensors", pipeline))
+            out = into / f"rank{r}-{len(sinks):05d}.safetensors"
+            hashing = last is None or last.get(rec["unit"], r) <= r
+            sinks[name] = (rec, Adder(have[0] if have else None, out, pipeline, hashing))
             return sinks[name][1]
 
         meta = receive(r, sink)
@@ -268,8 +284,8 @@ def _receive_all(acc: dict[str, tuple[Path, Record]], ours: set[Path], orders: l
         for rec, adder in sinks.values():
             unit = rec["unit"]
             before = acc.get(unit)
-            if adder.adding:  # the accumulated record's order of names
-                entries = {n: adder.entries[n] for n in before[1]["entries"]}
+            if adder.adding:  # the accumulated record's order of names (no hashes: a later rank adds to it)
+                entries = {n: adder.entries[n] if adder.entries else None for n in before[1]["entries"]}
                 acc[unit] = (adder.out, {**rec, "file": adder.out.name, "entries": entries})
             elif before is None:  # a unit only this rank (of 0..r) reached: its file is the sum so far
                 acc[unit] = (adder.out, rec)
