@@ -343,27 +343,27 @@ def save_part(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict]:
                 "value_sha256": value_sha256(t)} for n, t in clean.items()}  # fmt: skip
 
 
-def send_parts(tag: str, meta: dict, files: list[Path] = ()) -> None:  # type: ignore[assignment]
-    """From a rank > 0: announce its parts ``tag`` are ready, wait until rank 0 asks, send ``meta``
-    (JSON) and ``files`` (their bytes, in order)."""
+def send_parts(tag: str, meta: dict, files: list[Path] = (), dst: int = 0) -> None:  # type: ignore[assignment]
+    """From a rank other than ``dst`` (rank 0 unless said): announce its parts ``tag`` are ready, wait until
+    ``dst`` asks, send ``meta`` (JSON) and ``files`` (their bytes, in order; their names unique)."""
     store = _STATE["store"]
     me = rank()
     store.set(f"oracle/ready/{tag}/{me}", "1")
     _wait(store, [f"oracle/go/{tag}/{me}"])
     try:
-        _send_bytes(json.dumps({**meta, "files": [p.name for p in files]}).encode(), 0)
+        _send_bytes(json.dumps({**meta, "files": [p.name for p in files]}).encode(), dst)
         for p in files:
-            _send_file(p, 0)
+            _send_file(p, dst)
     except RuntimeError as e:  # gloo: the peer closed, or the transfer timed out
         raise RankError(
-            f"rank {me}: sending {tag} to rank 0 failed ({str(e).splitlines()[0]}); run the same command again to resume"
+            f"rank {me}: sending {tag} to rank {dst} failed ({str(e).splitlines()[0]}); run the same command again to resume"
         ) from None
 
 
 def recv_parts(tag: str, src: int, into: Path | None = None, sink: Callable[[dict, str], Any] | None = None) -> dict:
-    """On rank 0: wait until rank ``src`` has its parts ``tag`` ready, take its JSON and its files
-    (written under ``into``, by their names; or, with ``sink``, each file's bytes handed as they arrive to
-    ``sink(meta, name)``'s ``write`` and then its ``close``)."""
+    """On the rank ``src`` sends to (rank 0, or ``send_parts``' ``dst``): wait until ``src`` has its parts
+    ``tag`` ready, take its JSON and its files (written under ``into``, by their names; or, with ``sink``, each
+    file's bytes handed as they arrive to ``sink(meta, name)``'s ``write`` and then its ``close``)."""
     store = _STATE["store"]
     _wait(store, [f"oracle/ready/{tag}/{src}"])
     store.set(f"oracle/go/{tag}/{src}", "1")

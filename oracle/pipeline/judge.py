@@ -47,12 +47,12 @@ LOCAL_ROWS = "inputs-5"  # what a local replay's rows hold (replay/local.py: inp
 # partial gradients as they arrived (2026-12-05; wall 0.68 and 0.75-0.78 on 2 shared cores). Kept at 0.7: across
 # hosts the K/V exchanges cross a network, and each rank's fixed costs (start-up, its whole partial gradient set) stay.
 TOKEN_PARALLEL_EFFICIENCY = 0.7
-# Rank 0 of the token-parallel truth adds every other rank's partial gradients (each one the whole model's gradient set,
-# replay/streaming/partials.py): (hosts - 1) x the gradients' bytes pass through it one rank after another, whatever
-# the cores. Measured, rank 0's own work per received byte (read off the wire, added to the sum so far, written,
-# hashed): 0.45-0.46 GB/s (`python benchmarks/partial_sums.py --gb 1 --ranks 3`, 2 cores; 0.16 GB/s by the earlier
-# write-then-sum path); 0.22 GB/s in the 2-rank step of benchmarks/token_parallel.py, whose sender shares those 2
-# cores. A 10 Gb/s link (1.25 GB/s) is not what bounds it.
+# The token-parallel truth's partial gradients (each rank's is the whole model's gradient set) are added onto rank 0
+# by a binomial tree (replay/streaming/partials.py): rank 0 takes ceil(log2 hosts) sets one after another (the other
+# pairs of a round add theirs at the same time), at rank 0's own rate per received byte (read off the wire, added to
+# its sum, written, hashed where final): 0.45-0.46 GB/s (`python benchmarks/partial_sums.py --gb 1 --ranks 3`, 2
+# cores; 0.16 GB/s by the earlier write-then-sum path); 0.22 GB/s in the 2-rank step of benchmarks/token_parallel.py,
+# whose sender shares those 2 cores. A 10 Gb/s link (1.25 GB/s) is not what bounds it.
 RANK0_SUM_BYTES_PER_S = 0.45e9
 BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (megatron/boundaries.py: vision blocks, sub-modules through a fused norm): a merge stage of another is redone
 
@@ -67,8 +67,8 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     with cores, so the figure is conservative there and optimistic only if a server's per-core GEMM rate is
     below this machine's.
     Over several hosts (--nproc / torchrun) only the truth splits by tokens: its GEMMs over every host's cores
-    at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's sum of the other ranks' partial gradients
-    (``RANK0_SUM_BYTES_PER_S``, the truth's ``gradients`` bytes). A band member runs whole on one host
+    at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's share of adding the ranks' partial gradients: ceil(log2 hosts)
+    sets of the truth's ``gradients`` bytes at ``RANK0_SUM_BYTES_PER_S``. A band member runs whole on one host
     (members are dealt round-robin, replay/run.py): a stage of ``members`` takes ceil(members / hosts) of them
     one after another on one host's cores. Other stages spread over every core, as the truth's GEMMs."""
     total = 0.0
@@ -82,7 +82,7 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
         parallel = cores * hosts * (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
         total += e["seconds"] - gemm + core / parallel
         if hosts > 1 and name == "truth":
-            total += (hosts - 1) * e.get("gradients", 0) / RANK0_SUM_BYTES_PER_S
+            total += (hosts - 1).bit_length() * e.get("gradients", 0) / RANK0_SUM_BYTES_PER_S
     return total
 
 
@@ -501,7 +501,7 @@ class Judge:
             where = f"on one {cores}-core server" if hosts == 1 else f"on {hosts} hosts of {cores} cores (--nproc / torchrun)"
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
                          + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY} for the truth, each band member on one host's"
-                            f" {cores}, rank 0's sum of {hosts - 1} partial gradient sets" if hosts > 1 else "")
+                            f" {cores}, rank 0 adding {(hosts - 1).bit_length()} partial gradient sets" if hosts > 1 else "")
                          + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused
 

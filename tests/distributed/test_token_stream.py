@@ -99,6 +99,17 @@ def test_streamed_split_repeats_bitwise_and_leaves_no_work_folder(qwen3, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_four_ranks_add_their_partials_by_a_tree_within_the_bound(qwen3, tmp_path):
+    """Four ranks: the partial gradients reach rank 0 by a binomial tree (streaming/partials.py: rank 2 adds
+    rank 3's, then sends to rank 0, which has added rank 1's): within the bound of the single process, the
+    same shards, bitwise repeatable; no work folder left."""
+    cap, one, _ = qwen3
+    four = _split(cap, tmp_path / "four", nproc=4)
+    _assert_within(four, one, 4)
+    assert_bitwise(four, _split(cap, tmp_path / "again", nproc=4))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_streamed_split_packed_tiny_qwen3_vl_within_the_bound(packed_vl, tmp_path):
     """Three packed samples with an image each (ViT replicated, its units streamed on every rank,
     image features to the rank owning each image token; per-sample causal attention across the
@@ -247,6 +258,8 @@ def test_the_dry_run_reports_per_rank_numbers(qwen3):
     assert p2["memory"]["activations"] == pytest.approx(p1["memory"]["activations"] * share, rel=0.01)
     assert p2["disk"]["resume_journal"] == pytest.approx(p1["disk"]["resume_journal"] * share, rel=0.01)
     assert p2["disk"]["rank0_partials"] == p1["disk"]["gradients"]
+    # added as they arrive by a tree: one set of sums beside rank 0's own partials, not one per other rank
+    assert plan.plan(Bundle(cap), "fp64", budget=4 << 30, ranks=4)["disk"]["rank0_partials"] == p1["disk"]["gradients"]
     assert "per rank of 2 (split by tokens)" in plan.render(p2)
 
 

@@ -49,13 +49,13 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
     assert elsewhere(est, 2, 2) == 1730.0  # as many cores as here: unchanged
     assert abs(elsewhere(est, 2, 64) - (100 + 60 + 30 + (900 + 640) * 2 / 64)) < 1e-9
     assert abs(elsewhere(est, 2, 64, 8) - (190 + 1540 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
-    # over hosts only the truth splits by tokens (and rank 0 adds the other ranks' partial gradients); a band member
+    # over hosts only the truth splits by tokens (and rank 0 adds ceil(log2 hosts) partial gradient sets); a band member
     # runs whole on one host: 2 members on 8 hosts take one member's time, 3 on 2 hosts two members' one after another
     from oracle.pipeline.judge import RANK0_SUM_BYTES_PER_S
 
     real = {"truth": {**est["truth"], "gradients": 22e9}, "band-bf16": {**est["band-bf16"], "members": 2}, "score": {"seconds": 30.0}}
     assert abs(elsewhere(real, 2, 64) - elsewhere(est, 2, 64)) < 1e-9  # one host: the same figure
-    truth_8 = 900 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY + 7 * 22e9 / RANK0_SUM_BYTES_PER_S
+    truth_8 = 900 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY + 3 * 22e9 / RANK0_SUM_BYTES_PER_S  # a tree: log2(8) sets into rank 0
     assert abs(elsewhere(real, 2, 64, 8) - (190 + truth_8 + 640 * 2 / 2 / 64)) < 1e-9
     assert elsewhere(real, 2, 64, 8) > elsewhere(est, 2, 64, 8)  # the old price spread the band over every host's cores
     three = {"band-bf16": {"seconds": 700.0, "gemm_seconds": 640.0, "members": 3}}

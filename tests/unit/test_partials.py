@@ -1,6 +1,6 @@
-"""Rank 0's sum of the token-parallel ranks' partial gradient shards as their bytes arrive
-(oracle/replay/streaming/partials.py): the same bits and hashes as adding whole files in rank order,
-whatever the pieces the bytes come in."""
+"""The token-parallel ranks' partial gradient shards added onto rank 0 by a binomial tree as their bytes
+arrive (oracle/replay/streaming/partials.py): the tree's sums bit for bit and their hashes, whatever the
+pieces the bytes come in; the received copies never kept."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ HELD = {
     0: {"layer": ["w", "b"], "head": ["lm_head.weight"], "only0": ["z"], "part": ["x", "y"]},
     1: {"layer": ["w", "b"], "head": ["lm_head.weight"], "part": ["x"], "only1": ["u"]},
     2: {"layer": ["w", "b"], "head": ["lm_head.weight"], "part": ["x", "y"], "only1": ["u"]},
+    3: {"layer": ["w", "b"], "part": ["y"], "only3": ["v"]},
+    4: {"layer": ["w", "b"], "head": ["lm_head.weight"], "only4": ["q"]},
 }
-SHAPES = {**{n: s for u in UNITS.values() for n, s in u.items()}, "z": (3, 2), "u": (2, 3)}
+SHAPES = {**{n: s for u in UNITS.values() for n, s in u.items()}, "z": (3, 2), "u": (2, 3), "v": (5,), "q": (4, 2)}
 
 
 def _values(shape, seed: int) -> torch.Tensor:
@@ -47,18 +49,18 @@ def _ranks(tmp: Path, ranks: int) -> tuple[list[tuple[Path, list[dict]]], dict]:
     return parts, grads
 
 
-def _feeder(parts, sizes: list[int], seen: list | None = None):
-    """distributed.recv_parts' protocol without gloo: each file's bytes handed to the sink in pieces of ``sizes``
-    (cycled), then closed. ``seen``: (rank, unit, the sink) of every file."""
+def _feeder(sums_of, sizes: list[int], seen: list | None = None):
+    """distributed.recv_parts' protocol without gloo: the sender's current sums (as send_parts sends them), each
+    file's bytes handed to the sink in pieces of ``sizes`` (cycled), then closed. ``seen``: every sink."""
 
     def receive(r: int, sink):
-        folder, recs = parts[r]
-        meta = {"units": recs, "files": [rec["file"] for rec in recs]}
-        for rec, name in zip(recs, meta["files"]):
-            data = memoryview((folder / name).read_bytes())
-            w, at, k = sink(meta, name), 0, 0
+        sums = sums_of[r]
+        meta = {"units": [{**rec, "file": p.name} for p, rec in sums], "files": [p.name for p, _ in sums]}
+        for path, _ in sums:
+            data = memoryview(path.read_bytes())
+            w, at, k = sink(meta, path.name), 0, 0
             if seen is not None:
-                seen.append((r, rec["unit"], w))
+                seen.append(w)
             while at < len(data):
                 step = sizes[k % len(sizes)]
                 w.write(data[at : at + step])
@@ -69,48 +71,81 @@ def _feeder(parts, sizes: list[int], seen: list | None = None):
     return receive
 
 
+def _tree(tmp: Path, parts, ranks: int, sizes: list[int], seen: list) -> list[tuple[Path, dict]]:
+    """What the ranks of driver._replay_tokens do, one pair after another: each its schedule, rank 0 finishing."""
+    sums = {r: [(folder / rec["file"], rec) for rec in recs] for r, (folder, recs) in enumerate(parts)}
+    keep = {r: {p for p, _ in sums[r]} for r in sums}
+    steps = {r: partials.schedule(ranks, r) for r in range(ranks)}
+    for rnd in range(max(len(s) for s in steps.values())):
+        for r in range(ranks):
+            if rnd < len(steps[r]) and steps[r][rnd][0] == "recv":
+                src = steps[r][rnd][1]
+                assert steps[src][-1] == ("send", r)
+                last = r == 0 and rnd == len(steps[0]) - 1
+                sums[r] = partials.add_into(sums[r], src, _feeder(sums, sizes, seen), tmp / f"summed{r}", keep[r], last)
+    return partials.finish(sums[0], tmp / "summed0", keep[0])
+
+
 def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_tree_sends_each_rank_once_and_rank_0_takes_log2_sets():
+    for ranks in range(1, 17):
+        steps = {r: partials.schedule(ranks, r) for r in range(ranks)}
+        assert all(s[-1][0] == "send" for r, s in steps.items() if r)  # every other rank sends once, last
+        assert all(kind == "recv" for kind, _ in steps[0])
+        assert len(steps[0]) == (ranks - 1).bit_length()  # ceil(log2 N) sets into rank 0
+        edges = sorted((r, s[-1][1]) for r, s in steps.items() if r)
+        assert edges == sorted((src, r) for r, s in steps.items() for kind, src in s if kind == "recv")  # sends meet receives
+    assert partials.schedule(8, 0) == [("recv", 1), ("recv", 2), ("recv", 4)]
+    assert partials.schedule(8, 6) == [("recv", 7), ("send", 4)]
+
+
+def _expected(grads, ranks: int, n: str) -> torch.Tensor:
+    """The tree's sum: left + right over rank blocks (a block's missing tensor left out)."""
+
+    def block(r0: int, width: int):
+        if width == 1:
+            return grads.get((r0, n)) if r0 < ranks else None
+        a, b = block(r0, width // 2), block(r0 + width // 2, width // 2)
+        return a if b is None else b if a is None else a + b
+
+    width = 1
+    while width < ranks:
+        width *= 2
+    return block(0, width)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
 @pytest.mark.parametrize("sizes", [[64 << 20], [3, 5, 4093, 1 << 16]], ids=["whole", "ragged"])
-@pytest.mark.parametrize("hash_last", [False, True], ids=["hash-each", "hash-last"])
-def test_streamed_sum_is_the_rank_order_sum_bit_for_bit(tmp_path, ranks, sizes, hash_last):
+def test_the_tree_sum_is_bit_for_bit_and_hashed(tmp_path, ranks, sizes):
     parts, grads = _ranks(tmp_path, ranks)
     own_before = _digest(parts[0][0])
-    last = partials.holders([[rec["unit"] for rec in recs] for _, recs in parts]) if hash_last else None
     seen = []
-    out = partials.add_received(parts[0], ranks, _feeder(parts, sizes, seen), tmp_path / "summed", last)
-    for r, unit, adder in seen:  # a partial sum is hashed only where no later rank adds to it
-        assert adder.hashing == (not hash_last or r == max(q for q in range(ranks) if unit in HELD[q])), (r, unit)
-    if hash_last and ranks == 3:
-        assert any(a.adding and not a.hashing for _, _, a in seen)  # the case this covers: sums not hashed
+    out = _tree(tmp_path, parts, ranks, sizes, seen)
 
-    order = [u for u in ["layer", "head", "only0", "part", "only1"] if any(u in HELD[r] for r in range(ranks))]
+    order = partials.merged_order([list(HELD[r]) for r in range(ranks)])
     assert [p.name for p, _ in out] == [f"shard-{k:05d}.safetensors" for k in range(1, len(order) + 1)]
     got = {}
-    for (path, entries), unit in zip(out, order):
+    for path, entries in out:
         tensors = load_file(str(path))
         assert set(tensors) == set(entries)
         for n, t in tensors.items():
             assert entries[n]["sha256"] == tensor_sha256(t) and entries[n]["value_sha256"] == value_sha256(t), n
             assert entries[n]["shape"] == list(SHAPES[n]) and entries[n]["dtype"] == "float64"
         got.update(tensors)
-    assert set(got) == set(SHAPES)
+    assert set(got) == {n for r in range(ranks) for names in HELD[r].values() for n in names}
     for n in got:
-        want = None
-        for r in range(ranks):  # rank order: ((g0 + g1) + g2)
-            g = grads.get((r, n))
-            if g is not None:
-                want = g.clone() if want is None else want + g
-        assert torch.equal(got[n], want), n
-    if ranks == 3:  # the order matters at these magnitudes: another order would have been seen
-        g0, g1, g2 = (grads[(r, "w")] for r in range(3))
-        assert not torch.equal((g0 + g1) + g2, g0 + (g1 + g2))
+        assert torch.equal(got[n], _expected(grads, ranks, n)), n
+    if ranks == 5:  # rank order and the tree's differ at these magnitudes: the order is the tree's
+        g = [grads[(r, "w")] for r in range(5)]
+        assert not torch.equal(got["w"], (((g[0] + g[1]) + g[2]) + g[3]) + g[4])
+        assert any(a.adding and not a.hashing for a in seen)  # sums added to again were not hashed on the way
+    assert any(a.adding for a in seen) and any(not a.adding for a in seen)  # both paths ran
     assert _digest(parts[0][0]) == own_before  # rank 0's journal files read, never changed nor moved (resume)
-    leftovers = {p.name for p in (tmp_path / "summed").iterdir()} - {p.name for p, _ in out}
-    assert not leftovers  # the partial sums superseded on the way are removed
+    leftovers = {p.name for p in (tmp_path / "summed0").iterdir()} - {p.name for p, _ in out}
+    assert not leftovers  # the sums superseded on the way and the received copies are removed
 
 
 def test_a_truncated_file_is_refused_not_summed(tmp_path):
@@ -120,4 +155,4 @@ def test_a_truncated_file_is_refused_not_summed(tmp_path):
     data = (folder / name).read_bytes()
     (folder / name).write_bytes(data[:-16])  # the stream ends two float64 values short
     with pytest.raises(ValueError, match="data bytes of"):
-        partials.add_received(parts[0], 2, _feeder(parts, [4096]), tmp_path / "summed")
+        _tree(tmp_path, parts, 2, [4096], [])

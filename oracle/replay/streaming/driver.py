@@ -195,9 +195,9 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
     rank streams its rows: its own engine, work folder and journal, its units' weights materialised
     from its local copy of the capture per unit; its gradient shards are partial sums over its rows.
     Between forward and backward the ranks agree on the units they all finished (skipped on resume).
-    At the end the ranks send their partial shards to rank 0 (gloo, distributed.send_parts), which
-    adds them in rank order unit by unit as they arrive (partials.py) and writes the bundle with the
-    single-process streamed layout (one shard per unit)."""
+    At the end the partial shards are added onto rank 0 by a binomial tree (partials.schedule; gloo,
+    distributed.send_parts), each received file added unit by unit as its bytes arrive; rank 0 writes the
+    bundle with the single-process streamed layout (one shard per unit)."""
     from ...parallel import token_parallel
     from .. import token_split
     from ..setup import carry_inputs_and_weights
@@ -235,21 +235,29 @@ def _replay_tokens(cap: Bundle, out: Path, recipe, inputs: dict[str, torch.Tenso
         held = token_parallel.gather_ints(engine.store.peak_in_memory + engine.store.spilled_bytes)  # boundary activations
         reserves = token_parallel.gather_ints(fixed)
         resumed = any(token_parallel.gather_ints(int(resumed_here)))
-        units = read_journal(work / member, "unit")
-        last = partials.holders(token_parallel.gather_lists([u["unit"] for u in units]))  # whose partial is added last
+    units = read_journal(work / member, "unit")
     skipped = sorted(engine.agreed or ())
     stats = {"activations_in_memory_peak": engine.store.peak_in_memory, "activations_spilled": engine.store.spilled_bytes,
              "store_budget": engine.store.budget, "fixed_estimate": fixed, "malloc_mmap_mb": mmap_mb,
              "disk_written": engine.store.written + engine.journal.written}  # fmt: skip
     promotions = mode.promotions + build_mode.promotions
     del engine
-    if not distributed.is_main():  # this rank's partial shards to rank 0
-        distributed.send_parts("tokens", {"units": units}, [work / member / u["file"] for u in units])
+    # the partial gradients summed onto rank 0 by a binomial tree (partials.schedule): added as they arrive
+    sums = [(work / member / u["file"], u) for u in units]
+    keep = {path for path, _ in sums}  # the journal's own files: read, never moved (resume)
+    steps = partials.schedule(ranks, me)
+    for i, (what, peer) in enumerate(steps):
+        if what == "recv":
+            sums = partials.add_into(sums, peer, lambda r, sink: distributed.recv_parts(f"tokens-{r}-{me}", r, sink=sink),
+                                     work / "summed", keep, hashing=me == 0 and i == len(steps) - 1)  # fmt: skip
+        else:
+            distributed.send_parts(f"tokens-{me}-{peer}", {"units": [{**rec, "file": p.name} for p, rec in sums]},
+                                   [p for p, _ in sums], dst=peer)  # fmt: skip
+    if not distributed.is_main():
         distributed.finish()
         shutil.rmtree(work, ignore_errors=True)
         return out
-    shards = partials.add_received((work / member, units), ranks,
-                                   lambda r, sink: distributed.recv_parts("tokens", r, sink=sink), work / "summed", last)  # fmt: skip
+    shards = partials.finish(sums, work / "summed", keep)
     T = int(inputs["tokens" if "tokens" in inputs else "input_ids"].shape[-1])
     with BundleWriter(out, "oracle", overwrite=overwrite) as w:
         w.manifest.update(base)

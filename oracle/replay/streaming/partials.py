@@ -1,25 +1,30 @@
-"""Rank 0 adds the token-parallel ranks' partial gradient shards into the step's (driver._replay_tokens).
+"""The token-parallel ranks' partial gradient shards added onto rank 0 (driver._replay_tokens).
 
 Every rank journals one safetensors file per unit of its *partial* gradients (each parameter's gradient over
-its own rows). The step's gradient of a tensor is their sum in rank order, g_0 + g_1 + ... + g_{N-1} (ranks
-without the tensor left out), elementwise IEEE float64 additions: one shard per unit, in rank 0's journal
-order, then units only later ranks reached.
+its own rows, the whole model's gradient set). The step's gradient of a tensor is their sum, elementwise IEEE
+float64 additions (ranks without the tensor left out), one shard per unit in rank 0's journal order, then units
+only later ranks reached.
 
-As the bytes arrive (``Adder``, the usual case). Rank r > 0 sends its files over gloo in pieces of
-distributed.CHUNK bytes, in its journal's order. Where a received file's header is the accumulated file's (the
-same tensors, all float64, the same shapes and data offsets: every rank reached every parameter of the unit), the
-data region of both is one float64 array element for element, so each piece is added to the same bytes of the
-accumulated file (rank 0's own partial, then the sum over ranks 0..r-1) and written to the next sum, hashed as it
-goes (the manifest's sha256 and value_sha256 per tensor; for float64 both hash these bytes, the value hash after
-the shape). The received copy is never written: it is read once, off the wire. Receiving every file to disk
-first and summing after wrote it, fsynced it and read it back: with 2 ranks at 4096 tokens (0.9 GB of partial
-gradients) rank 0 spent 12 s between its last unit and the bundle (5.7 s receiving, 6.0 s summing) against a
-42 s step (a one-off timing of ``benchmarks/token_parallel.py``'s 2-rank command; RESULTS.md has the run after).
-The additions are acc += g_r in rank order, as ``sum_unit`` does them: the same bits.
+Who adds what (``schedule``): a binomial tree. In round k a rank r with r mod 2^(k+1) = 2^k sends its sums to
+r - 2^k; the pairs of a round are disjoint and run at once, so rank 0 takes ceil(log2 N) gradient sets where it
+took N - 1 from the ranks one after another (8 hosts: 3 sets of the 8B's 70 GB, not 7). The sum is left + right
+over rank blocks, ((g0 + g1) + (g2 + g3)) + ..., rank order for N <= 3; fixed, so a rerun is bitwise the same.
 
-Otherwise (a unit rank 0 never reached, a tensor only some ranks reached, another dtype) the received file is
-written as it came and ``sum_unit`` adds it to the accumulated one: whole tensors, or row blocks of SUM_ROWS for
-a one-tensor shard (the head, an embedding: never whole in memory).
+As the bytes arrive (``Adder``, the usual case). A sender's files come over gloo in pieces of distributed.CHUNK
+bytes. Where a received file's header is the receiver's sum's (the same tensors, all float64, the same shapes and
+data offsets: both reached every parameter of the unit), the data region of both is one float64 array element
+for element, so each piece is added to the same bytes of the receiver's file and written to the next sum, hashed
+as it goes where the sum is final (rank 0's last addition: the manifest's sha256 and value_sha256 per tensor; for
+float64 both hash these bytes, the value hash after the shape). The received copy is never written: it is read
+once, off the wire. Receiving every file to disk first and summing after wrote it, fsynced it and read it back:
+with 2 ranks at 4096 tokens (0.9 GB of partial gradients) rank 0 spent 12 s between its last unit and the bundle
+(5.7 s receiving, 6.0 s summing) against a 42 s step (one-off timings of ``benchmarks/token_parallel.py``'s 2-rank
+command), 4.9 s now; ``benchmarks/partial_sums.py``: 0.16 GB/s per received byte before, 0.45 GB/s now, bitwise
+the same sums.
+
+Otherwise (a unit the receiver never reached, a tensor only some ranks reached, another dtype) the received file
+is written as it came and ``sum_unit`` adds it to the receiver's: whole tensors, or row blocks of SUM_ROWS for a
+one-tensor shard (the head, an embedding: never whole in memory).
 """
 
 from __future__ import annotations
@@ -77,11 +82,6 @@ def sum_unit(have: list[tuple[Path, Record]], path: Path) -> dict[str, dict]:
                 acc = t if acc is None else acc.add_(t)
         summed[name] = acc
     return save_part(summed, path)
-
-
-def holders(lists: list[list[str]]) -> dict[str, int]:
-    """Unit -> the last rank holding a partial of it, from every rank's list of units (rank order)."""
-    return {u: r for r, units in enumerate(lists) for u in units}
 
 
 def _read_header(path: Path) -> tuple[bytes, dict]:
@@ -195,13 +195,10 @@ class Adder:
         if self._src.readinto(view) != n:
             raise ValueError(f"{self.acc}: shorter than its header says")
         total = np.frombuffer(view, dtype="<f8")
-        total += np.frombuffer(piece[:n], dtype="<f8")  # acc + g_r, elementwise (round to nearest): sum_unit's bits
+        total += np.frombuffer(piece[:n], dtype="<f8")  # ours + theirs, elementwise (round to nearest): sum_unit's bits
         p0 = self._pos
         self._pos += n
-        parts = [(name, view[max(b, p0) - p0 : min(e, p0 + n) - p0]) for b, e, name in self._spans if max(b, p0) < min(e, p0 + n)]
-
-        if not self.hashing:  # a partial sum a later rank adds to: its hashes would never be read
-            parts = []
+        parts = _parts(self._spans, view, p0) if self.hashing else []  # a sum added to again: hashed later, if at all
 
         def write() -> None:
             self._f.write(view)
@@ -222,77 +219,115 @@ class Adder:
             self._src.close()
             if self._carry or self._pos != self._size:
                 raise ValueError(f"{self.out.name}: received {self._pos + len(self._carry)} data bytes of {self._size}")
-            if self.hashing:
-                self.entries = {name: {"dtype": "float64", "shape": self._shapes[name], "sha256": h.hexdigest(),
-                                       "value_sha256": v.hexdigest()} for name, (h, v) in self._hash.items()}  # fmt: skip
+            self.entries = {name: {"dtype": "float64", "shape": self._shapes[name],
+                                   "sha256": h.hexdigest() if self.hashing else None,
+                                   "value_sha256": v.hexdigest() if self.hashing else None}
+                            for name, (h, v) in self._hash.items()}  # fmt: skip
         self._f.close()  # fsynced once, with the bundle's other files, before it is published (BundleWriter)
 
 
 Receive = Callable[[int, Callable[[dict, str], Adder]], dict]
+Sums = list[tuple[Path, Record]]  # a rank's sums so far: one file per unit, in unit order
 
 
-def add_received(own: tuple[Path, list[Record]], ranks: int, receive: Receive, into: Path,
-                 last: dict[str, int] | None = None) -> list[tuple[Path, dict]]:  # fmt: skip
-    """On rank 0: its own partials (folder, journal unit records) and every other rank's, taken in rank order
-    by ``receive(r, sink)`` (distributed.recv_parts: rank r's meta, each file's bytes into ``sink(meta, name)``)
-    -> [(file under ``into``, manifest entries)], one shard per unit, named shard-00001... in unit order.
-    ``last``: unit -> the last rank holding it (``holders``); a sum is hashed only once that rank is added
-    (with 8 ranks, 1 hashing pass over the gradients instead of 7). None: every sum is hashed."""
+def schedule(ranks: int, me: int) -> list[tuple[str, int]]:
+    """This rank's part of the binomial tree that adds every rank's partials onto rank 0: ("recv", src) steps,
+    then one ("send", dst) (rank 0 only receives). Round k (step 2^k): a rank r with r mod 2^(k+1) = 2^k sends its
+    sums to r - 2^k and is done; one with r mod 2^(k+1) = 0 adds those of r + 2^k, where that rank exists. A round's
+    pairs are disjoint, so they run at once on their hosts: rank 0 takes ceil(log2 N) gradient sets, not N - 1.
+    The sum is then left + right over rank blocks: ((g0 + g1) + (g2 + g3)) + ...; for N <= 3 that is rank order."""
+    out, step = [], 1
+    while step < ranks:
+        if me % (2 * step) == step:
+            out.append(("send", me - step))
+            break
+        if me % (2 * step) == 0 and me + step < ranks:
+            out.append(("recv", me + step))
+        step *= 2
+    return out
+
+
+def add_into(have: Sums, src: int, receive: Receive, into: Path, keep: set[Path], hashing: bool) -> Sums:
+    """This rank's sums so far (``have``) plus rank ``src``'s, taken by ``receive(src, sink)``
+    (distributed.recv_parts: its meta, each file's bytes into ``sink(meta, name)``) and added as they arrive
+    (ours + theirs) -> the new sums, units only ``src`` had after ours in its order. A superseded sum under
+    ``into`` is removed; files in ``keep`` (the rank's journal: resume) are only read. ``hashing``: the sums hashed
+    as they are written (rank 0's last addition); else their entries carry no hashes and ``finish`` hashes what
+    reaches it so."""
     into.mkdir(parents=True, exist_ok=True)
-    folder, recs = own
-    acc: dict[str, tuple[Path, Record]] = {rec["unit"]: (folder / rec["file"], rec) for rec in recs}
-    ours = {path for path, _ in acc.values()}  # rank 0's journal files: read, never moved nor removed
+    acc = {rec["unit"]: (path, rec) for path, rec in have}
+    order = [rec["unit"] for _, rec in have]
+    sinks: dict[str, tuple[Record, Adder]] = {}
     pipeline = Pipeline(CHUNK + 8)  # a piece and the few bytes a misaligned one carries
-    orders = [[rec["unit"] for rec in recs]]
+
+    def sink(meta: dict, name: str) -> Adder:
+        rec = next(u for u in meta["units"] if u["file"] == name)
+        mine = acc.get(rec["unit"])
+        out = into / f"rank{src}-{len(sinks):05d}.safetensors"
+        sinks[name] = (rec, Adder(mine[0] if mine else None, out, pipeline, hashing))
+        return sinks[name][1]
+
     try:
-        _receive_all(acc, ours, orders, ranks, receive, into, pipeline, last)
+        meta = receive(src, sink)
     finally:
         pipeline.close()
+    for rec, adder in sinks.values():
+        unit = rec["unit"]
+        before = acc.get(unit)
+        if adder.adding:  # our record's order of names
+            acc[unit] = (adder.out, {**rec, "file": adder.out.name, "entries": {n: adder.entries[n] for n in before[1]["entries"]}})
+        elif before is None:  # a unit only theirs so far: their file is the sum
+            acc[unit] = (adder.out, {**rec, "file": adder.out.name})
+        else:
+            path = into / f"{adder.out.stem}-sum.safetensors"
+            entries = sum_unit([before, (adder.out, rec)], path)
+            adder.out.unlink()
+            acc[unit] = (path, {**rec, "file": path.name, "entries": entries})
+        if before is not None and before[0] not in keep:
+            before[0].unlink()  # an earlier sum of ours, superseded
+    return [acc[u] for u in merged_order([order, [rec["unit"] for rec in meta["units"]]])]
+
+
+def finish(sums: Sums, into: Path, keep: set[Path]) -> list[tuple[Path, dict]]:
+    """On rank 0 after its last addition: [(file under ``into``, manifest entries)], one shard per unit named
+    shard-00001... in unit order; a sum written without hashes is hashed now (read once, by CHUNK)."""
+    into.mkdir(parents=True, exist_ok=True)
     out = []
-    for k, unit in enumerate(merged_order(orders), 1):
-        path, rec = acc[unit]
+    for k, (path, rec) in enumerate(sums, 1):
         dst = into / f"shard-{k:05d}.safetensors"
-        if path in ours:  # rank 0's own file, no other rank had the unit: the journal keeps it (resume)
+        if path in keep:  # a journal file of rank 0's own: the journal keeps it (resume)
             try:
                 os.link(path, dst)
             except OSError:
                 shutil.copyfile(path, dst)
         else:
             os.replace(path, dst)
-        if any(e is None for e in rec["entries"].values()):
-            raise ValueError(f"unit {unit}: its sum was left unhashed, though no later rank added to it ({last})")
-        out.append((dst, {n: rec["entries"][n] for n in rec["entries"]}))
+        entries = rec["entries"]
+        if any(e.get("sha256") is None for e in entries.values()):
+            entries = _hashed(dst, entries)
+        out.append((dst, dict(entries)))
     return out
 
 
-def _receive_all(acc: dict[str, tuple[Path, Record]], ours: set[Path], orders: list[list[str]], ranks: int, receive: Receive,
-                 into: Path, pipeline: Pipeline, last: dict[str, int] | None) -> None:  # fmt: skip
-    """Ranks 1.. in order, each file added into ``acc`` (unit -> its sum so far) as it arrives (add_received)."""
-    for r in range(1, ranks):
-        sinks: dict[str, tuple[Record, Adder]] = {}
+def _hashed(path: Path, entries: dict[str, dict]) -> dict[str, dict]:
+    """``entries`` with both hashes of a float64 file written without them."""
+    head, header = _read_header(path)
+    layout = _layout(header)
+    hashes = {name: (hashlib.sha256(), hashlib.sha256(json.dumps(list(e["shape"])).encode())) for name, e in layout.items()}
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in layout.items())
+    buf, pos = bytearray(CHUNK), 0
+    with open(path, "rb") as f:
+        f.seek(len(head))
+        while n := f.readinto(buf):
+            for name, part in _parts(spans, memoryview(buf)[:n], pos):
+                for h in hashes[name]:
+                    h.update(part)
+            pos += n
+    return {name: {**e, "sha256": hashes[name][0].hexdigest(), "value_sha256": hashes[name][1].hexdigest()}
+            for name, e in entries.items()}  # fmt: skip
 
-        def sink(meta: dict, name: str, r: int = r) -> Adder:
-            rec = next(u for u in meta["units"] if u["file"] == name)
-            have = acc.get(rec["unit"])
-            out = into / f"rank{r}-{len(sinks):05d}.safetensors"
-            hashing = last is None or last.get(rec["unit"], r) <= r
-            sinks[name] = (rec, Adder(have[0] if have else None, out, pipeline, hashing))
-            return sinks[name][1]
 
-        meta = receive(r, sink)
-        orders.append([u["unit"] for u in meta["units"]])
-        for rec, adder in sinks.values():
-            unit = rec["unit"]
-            before = acc.get(unit)
-            if adder.adding:  # the accumulated record's order of names (no hashes: a later rank adds to it)
-                entries = {n: adder.entries[n] if adder.entries else None for n in before[1]["entries"]}
-                acc[unit] = (adder.out, {**rec, "file": adder.out.name, "entries": entries})
-            elif before is None:  # a unit only this rank (of 0..r) reached: its file is the sum so far
-                acc[unit] = (adder.out, rec)
-            else:
-                path = into / f"{adder.out.stem}-sum.safetensors"
-                entries = sum_unit([before, (adder.out, rec)], path)
-                adder.out.unlink()
-                acc[unit] = (path, {**rec, "file": path.name, "entries": entries})
-            if before is not None and before[0] not in ours:
-                before[0].unlink()  # an earlier partial sum, superseded
+def _parts(spans: list[tuple[int, int, str]], view: memoryview, p0: int) -> list[tuple[str, memoryview]]:
+    """The pieces of ``view`` (data bytes p0.. of a file) that fall in each tensor's span (begin, end, name)."""
+    n = len(view)
+    return [(name, view[max(b, p0) - p0 : min(e, p0 + n) - p0]) for b, e, name in spans if max(b, p0) < min(e, p0 + n)]

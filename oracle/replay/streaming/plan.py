@@ -215,7 +215,8 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
                    "malloc_mmap_mb": mmap_mb, "heap_retention": retention},
         "disk": {"gradients": n_params * size, "spilled_activations": spill, "resume_journal": bounds["input_grads"],
                  "written": n_params * size + spill + bounds["input_grads"], "held_peak": held, "inputs_and_weights": captured,
-                 "rank0_partials": (ranks - 1) * n_params * size},
+                 # a receiving rank of the tree (partials.py) writes one set of sums beside its own partials
+                 "rank0_partials": (ranks > 1) * n_params * size},
         "budget": budget, "fits": fits,
         "refusal": None if fits else budgets.refusal(budget, fixed, need["by"]),
     }  # fmt: skip
@@ -347,7 +348,8 @@ def render(p: dict[str, Any]) -> str:
         f"{g(p['disk']['inputs_and_weights'])}); while running: spilled activations {g(p['disk']['spilled_activations'])}, "
         f"resume journal {g(p['disk']['resume_journal'])} written (the last finished units' held); "
         f"at most {g(p['disk']['held_peak'])} held at once, {g(p['disk']['written'])} written in all"
-        + (f"; rank 0 receives the other ranks' partial gradients at the end ({g(p['disk']['rank0_partials'])})"
+        + (f"; at the end the ranks' partial gradients are summed onto rank 0 (a tree), which writes the sums beside "
+           f"its own ({g(p['disk']['rank0_partials'])})"
            if p.get("ranks", 1) > 1 else ""),
     ]  # fmt: skip
     return "\n".join(lines)
