@@ -48,14 +48,16 @@ def _ranks(d: Path, ranks: int, gb: float) -> list[tuple[Path, list[dict]]]:
     return parts
 
 
-def _feed(parts):
+def _feed(sums_of):
+    """distributed.recv_parts' protocol read from the sender's files (no gloo)."""
+
     def receive(r: int, sink):
-        folder, recs = parts[r]
-        meta = {"units": recs, "files": [rec["file"] for rec in recs]}
+        sums = sums_of[r]
+        meta = {"units": [{**rec, "file": p.name} for p, rec in sums], "files": [p.name for p, _ in sums]}
         buf = bytearray(CHUNK)
-        for name in meta["files"]:
-            w = sink(meta, name)
-            with open(folder / name, "rb") as f:
+        for path, _ in sums:
+            w = sink(meta, path.name)
+            with open(path, "rb") as f:
                 while n := f.readinto(buf):
                     w.write(memoryview(buf)[:n])
             w.close()
@@ -99,13 +101,20 @@ def main() -> None:
         for f, recs in parts:  # into the page cache, as a rank's fresh journal is
             for rec in recs:
                 (f / rec["file"]).read_bytes()
-        last = partials.holders([[rec["unit"] for rec in recs] for _, recs in parts])
+        def streamed(into: Path, hash_each: bool):
+            """Rank 0 of a tree over these ranks, fed their files in rank order (for 3 ranks: rank 1's in round 1,
+            rank 2's in round 2), as driver._replay_tokens runs it; then ``finish``."""
+            sums = [(parts[0][0] / rec["file"], rec) for rec in parts[0][1]]
+            keep = {p for p, _ in sums}
+            for src in range(1, a.ranks):
+                src_sums = {src: [(parts[src][0] / rec["file"], rec) for rec in parts[src][1]]}
+                sums = partials.add_into(sums, src, _feed(src_sums), into, keep, hash_each or src == a.ranks - 1)
+            return partials.finish(sums, into, keep)
+
         runs = {
             "earlier: received files written, then summed": lambda into: _earlier(parts, into),
-            "streamed, every partial sum hashed": lambda into: partials.add_received(parts[0], a.ranks, _feed(parts), into),
-            "streamed, the last sum hashed (the step's)": lambda into: partials.add_received(
-                parts[0], a.ranks, _feed(parts), into, last
-            ),
+            "streamed, every sum hashed": lambda into: streamed(into, True),
+            "streamed, the last sum hashed (the step's)": lambda into: streamed(into, False),
         }
         print(f"partial sums: {a.ranks} ranks x {a.gb:.2f} GB of float64 partial gradients (4 units); rank 0 receives "
               f"{received / 1e9:.2f} GB; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} before")  # fmt: skip
