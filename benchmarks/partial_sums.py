@@ -3,7 +3,7 @@
     python benchmarks/partial_sums.py [--gb 1.0] [--ranks 3] [--dir DIR]
 
 Each of ``--ranks`` ranks holds one partial of every unit (4 units of float64, ``--gb`` in all per rank, as a
-rank's journal holds them); rank 0 takes the others' files as ``add_received`` does in the step, fed from disk in
+rank's journal holds them); rank 0 takes the others' files as ``add_into`` does in the step, fed from disk in
 64 MiB pieces (distributed.CHUNK; no gloo: the network is the deployment's, priced on its own), three ways side by
 side: the earlier path (each received file written and fsynced, then every unit summed from whole files,
 ``sum_unit``), the streamed sum hashing every partial sum, and hashing only the last (``holders``, the step's
