@@ -54,6 +54,12 @@ TOKEN_PARALLEL_EFFICIENCY = 0.7
 # cores; 0.16 GB/s by the earlier write-then-sum path); 0.22 GB/s in the 2-rank step of benchmarks/token_parallel.py,
 # whose sender shares those 2 cores. A 10 Gb/s link (1.25 GB/s) is not what bounds it.
 RANK0_SUM_BYTES_PER_S = 0.45e9
+# The score stage's rate over the gradient bytes it reads (the truth, the captures, the band members: about 3 x the
+# truth's float64 gradients when the captures keep float32 main_grad): measured 9.5 s for 3 x 0.93 GB, 0.3 GB/s (a
+# judge of two float32 captures of Qwen3 text hidden 1024 x 4 layers, 4096 tokens, its score stage redone; 2 cores):
+# the metrics (17 float64 passes a chunk, metrics.py) and reading with hash checks (a quarter). It was priced at
+# 0.5 GB/s, 1.6x short.
+SCORE_BYTES_PER_S = 300e6
 BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (megatron/boundaries.py: vision blocks, sub-modules through a fused norm): a merge stage of another is redone
 
 
@@ -424,7 +430,7 @@ class Judge:
                          "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
-            "seconds": 3 * grads / 500e6 + eta.SCORE_PROBES * probe,  # reading the truth, the captures, the bands; 0.5-3 s on the tiny model
+            "seconds": 3 * grads / SCORE_BYTES_PER_S + eta.SCORE_PROBES * probe,  # the truth, the captures, the bands
             "flops": 0,
             "memory": rss_bytes() + score_memory(caps),  # one parameter at a time (scorer.memory_need)
             "disk": 0,
