@@ -53,8 +53,8 @@ def rel_l2(dev: list[torch.Tensor] | torch.Tensor, ref: list[torch.Tensor] | tor
 # temporary sat just above glibc's largest dynamic mmap threshold (32 MiB), so every one was a fresh mmap, page-faulted
 # and unmapped: a call on 2^26 float32/float64 pairs took 2.34 s (2.71 s of it system time, 1.7 M minor faults) against
 # 0.79 s at 2^20 (0.23 s system, 0.14 M faults), the same values to the last ulp or two (the chunks' partial sums are
-# added in another grouping). A one-off timing: 3 calls each of tensor_metrics on torch.randn(2^26) and a perturbed
-# float32 copy, 2 cores.
+# added in another grouping); 0.70 s with |d| taken once and the counts by count_nonzero (bitwise the same values).
+# A one-off timing: 3 calls each of tensor_metrics on torch.randn(2^26) and a perturbed float32 copy, 2 cores.
 CHUNK = 1 << 20
 
 
@@ -69,7 +69,7 @@ def tensor_metrics(g: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
         gc = g[i : i + CHUNK].to(torch.float64)  # the upcast point
         tc = t[i : i + CHUNK].to(torch.float64)
         finite = torch.isfinite(gc)
-        bad = int((~finite).sum())
+        bad = finite.numel() - int(torch.count_nonzero(finite))
         if bad:
             nonfinite += bad
             gc, tc = gc[finite], tc[finite]
@@ -78,9 +78,10 @@ def tensor_metrics(g: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
         ref_sq += float((tc * tc).sum())
         self_sq += float((gc * gc).sum())
         dot += float((gc * tc).sum())
+        ad = d.abs()  # |d| once, for the max and the count
         if d.numel():
-            max_abs = max(max_abs, float(d.abs().max()))
-        off += int((d.abs() > 1e-3 * tc.abs()).sum())
+            max_abs = max(max_abs, float(ad.max()))
+        off += int(torch.count_nonzero(ad > tc.abs().mul_(1e-3)))
         kept += int(d.numel())
     ref_n, self_n = math.sqrt(ref_sq), math.sqrt(self_sq)
     if ref_n == 0.0 and self_n == 0.0:
