@@ -174,11 +174,8 @@ class Adder:
         self._src = open(self.acc, "rb")
         self._src.seek(len(acc_head))
         self._f.write(acc_head)  # the sum keeps the accumulated file's header: the same layout
-        # the tensors by data offset, each with its two hashes (bundle/store.py: tensor_sha256, value_sha256)
-        self._spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in layout.items())
+        self._spans, self._hash = _hashers(layout)
         self._size = max((b for _, b, _ in self._spans), default=0)
-        self._hash = {name: (hashlib.sha256(), hashlib.sha256(json.dumps(list(layout[name]["shape"])).encode()))
-                      for name in layout}  # fmt: skip
         self._shapes = {name: list(e["shape"]) for name, e in layout.items()}
 
     def _add(self, piece: memoryview) -> None:
@@ -313,8 +310,7 @@ def _hashed(path: Path, entries: dict[str, dict]) -> dict[str, dict]:
     """``entries`` with both hashes of a float64 file written without them."""
     head, header = _read_header(path)
     layout = _layout(header)
-    hashes = {name: (hashlib.sha256(), hashlib.sha256(json.dumps(list(e["shape"])).encode())) for name, e in layout.items()}
-    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in layout.items())
+    spans, hashes = _hashers(layout)
     buf, pos = bytearray(CHUNK), 0
     with open(path, "rb") as f:
         f.seek(len(head))
@@ -325,6 +321,14 @@ def _hashed(path: Path, entries: dict[str, dict]) -> dict[str, dict]:
             pos += n
     return {name: {**e, "sha256": hashes[name][0].hexdigest(), "value_sha256": hashes[name][1].hexdigest()}
             for name, e in entries.items()}  # fmt: skip
+
+
+def _hashers(layout: dict) -> tuple[list[tuple[int, int, str]], dict[str, tuple[Any, Any]]]:
+    """A file's tensors by data offset (begin, end, name), and each one's two hashes, fresh (bundle/store.py:
+    tensor_sha256 of the bytes; value_sha256 of the shape, then the float64 bytes)."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in layout.items())
+    hashes = {name: (hashlib.sha256(), hashlib.sha256(json.dumps(list(e["shape"])).encode())) for name, e in layout.items()}
+    return spans, hashes
 
 
 def _parts(spans: list[tuple[int, int, str]], view: memoryview, p0: int) -> list[tuple[str, memoryview]]:
