@@ -54,12 +54,25 @@ TOKEN_PARALLEL_EFFICIENCY = 0.7
 # cores; 0.16 GB/s by the earlier write-then-sum path); 0.22 GB/s in the 2-rank step of benchmarks/token_parallel.py,
 # whose sender shares those 2 cores. A 10 Gb/s link (1.25 GB/s) is not what bounds it.
 RANK0_SUM_BYTES_PER_S = 0.45e9
-# The score stage's rate over the gradient bytes it reads (the truth, the captures, the band members: about 3 x the
-# truth's float64 gradients when the captures keep float32 main_grad): measured 9.5 s for 3 x 0.93 GB, 0.3 GB/s (a
-# judge of two float32 captures of Qwen3 text hidden 1024 x 4 layers, 4096 tokens, its score stage redone; 2 cores):
-# the metrics (17 float64 passes a chunk, metrics.py) and reading with hash checks (a quarter). It was priced at
-# 0.5 GB/s, 1.6x short.
-SCORE_BYTES_PER_S = 300e6
+# The score stage reads about 3 x the truth's float64 gradients (the truth, the captures' float32 main_grad, the band
+# members') and runs its parameters and their 2^20-element chunks on every core (score/pool.py). Measured (Qwen3 text
+# hidden 1024 x 4 layers, 4096 tokens: a float64 truth, two float32 captures, a bf16 band of 2; 2.65 GB read; the
+# score's parameter loop, `python benchmarks/score_threads.py`): 0.25 GB/s of CPU time on one worker, 0.68 of 2x that on 2
+# (2 cores: the same speed as the serial loop it replaced, whose reading and hashing ran on one core whatever the cores).
+# On a server the dry run counts SCORE_THREADS_PRICED workers at that efficiency (not measured past 2 cores here: the
+# chunks' float64 passes are memory-bound, so no more are counted) and no faster than one NVMe drive reads
+# (SCORE_DISK_BYTES_PER_S, stated, not measured: the truth's gradients were written just before, partly cached).
+SCORE_CORE_BYTES_PER_S = 0.25e9
+SCORE_POOL_EFFICIENCY = 0.7
+SCORE_THREADS_PRICED = 8
+SCORE_DISK_BYTES_PER_S = 2e9
+
+
+def score_seconds(nbytes: float, cores: int) -> float:
+    """The score's time over ``nbytes`` of gradients on ``cores`` cores (the constants above)."""
+    workers = min(cores, SCORE_THREADS_PRICED)
+    rate = SCORE_CORE_BYTES_PER_S * (1.0 if workers == 1 else workers * SCORE_POOL_EFFICIENCY)
+    return max(nbytes / rate, nbytes / SCORE_DISK_BYTES_PER_S)
 BOUNDARIES = "replica-through-1"  # what merge maps of the recorded modules (megatron/boundaries.py: vision blocks, sub-modules through a fused norm): a merge stage of another is redone
 
 
@@ -79,6 +92,9 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     one after another on one host's cores. Other stages spread over every core, as the truth's GEMMs."""
     total = 0.0
     for name, e in est.items():
+        if "score_bytes" in e:  # the score's pool on the server's cores (score_seconds), its fixed costs as here
+            total += e["seconds"] - score_seconds(e["score_bytes"], e["score_workers"]) + score_seconds(e["score_bytes"], cores)
+            continue
         gemm = e.get("gemm_seconds", 0.0)
         core = e.get("gemm_core_seconds", gemm * here)
         if hosts > 1 and e.get("members"):
@@ -325,6 +341,12 @@ class Judge:
 
             torch.set_num_threads(self.threads)
 
+    def score_workers(self) -> int:
+        """The score's threads (score/pool.py): ``--threads`` where given, else this process's cores."""
+        from ..score.pool import default_workers
+
+        return self.threads or default_workers()
+
     def _spread(self) -> int:
         """How many processes share a band's members (``--nproc``)."""
         return max(1, min(self.nproc, self.ensemble))
@@ -430,9 +452,10 @@ class Judge:
                          "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         grads = base["disk"]["gradients"]
         est["score"] = {
-            "seconds": 3 * grads / SCORE_BYTES_PER_S + eta.SCORE_PROBES * probe,  # the truth, the captures, the bands
+            "seconds": score_seconds(3 * grads, self.score_workers()) + eta.SCORE_PROBES * probe,  # the truth, the captures, the bands
+            "score_bytes": 3 * grads, "score_workers": self.score_workers(),
             "flops": 0,
-            "memory": rss_bytes() + score_memory(caps),  # one parameter at a time (scorer.memory_need)
+            "memory": rss_bytes() + score_memory(caps, workers=self.score_workers()),  # scorer.memory_need
             "disk": 0,
         }
         for c, n in zip(caps, self.names):
@@ -582,7 +605,7 @@ class Judge:
         result = st.document("score", "score both runs against the truth, each with its own band", {"margin": self.margin, "rule": RULE},
                              [truth, *caps_p, *bands, *views],
                              lambda: do_score(truth, caps_p, band_paths=bands, margin=self.margin, names=self.names,
-                                              per_rank=views))  # fmt: skip
+                                              per_rank=views, workers=self.score_workers()))  # fmt: skip
         local, explained = {}, {}
         for c, cp, n in zip(caps, caps_p, self.names):
             if not c.get("modules"):

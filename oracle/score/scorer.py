@@ -48,6 +48,7 @@ tensors are scored whole and their rows [V, Vp) are also listed apart (``padded_
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,13 @@ from ..bundle.manifest import missing_fields
 from ..bundle.shapes import entry_nbytes, entry_numel
 from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
-from ..metrics import aggregate, global_scale, tensor_metrics
+from ..metrics import aggregate, global_scale
 from ..replay.certify import FD_WARN
 from . import calibrate
 from .framework import finding as framework_finding
 from .framework import framework_rows, judge_per_rank
 from .layers import group as group_layers
+from .pool import default_workers, one_thread, ordered
 from .tolerance import MARGIN, check_margin, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
@@ -145,9 +147,12 @@ def score(
     names: list[str] | None = None,
     force_band: bool = False,
     per_rank: list[str | Path] = (),
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """Score ``capture_paths`` against the oracle. A band whose precision differs from a capture's is
-    refused (UsageError) unless ``force_band``; then the verdict carries the warning."""
+    refused (UsageError) unless ``force_band``; then the verdict carries the warning. ``workers``: the
+    threads scoring parameters at once (pool.py; default: this process's cores); the result is the same
+    at any count."""
     margin = None if margin is None else check_margin(margin)
     oracle = Bundle(oracle_path)
     if oracle.kind != "oracle":
@@ -177,29 +182,63 @@ def score(
         tolrow = tol.get(prec, tol["unknown"])
         plans.append({"bundle": c, "name": lab, "precision": prec, "band": band, "tol": tolrow, "band_warning": band_warning,
                       "norms": c.get("norms") if c.kind == "norms" else None, "rows": {}, "band_rows": {}, "padded": {}})  # fmt: skip
-    band_cache: dict[str, list[dict[str, float]]] = {}
-
-    # Stream parameter by parameter: the truth, each band member, each capture; nothing kept but metrics.
-    oracle_nonfinite = []
-    for p in pnames:
+    # Parameter by parameter, on ``workers`` threads (pool.py): the truth, each band member, each capture;
+    # nothing kept but metrics, applied in the oracle's order whatever thread made them.
+    def one(p: str) -> dict[str, Any]:
+        """Parameter p's rows. Each gradient is read and hashed while the chunks of the one before run on
+        ``chunks``, so two are held beside the truth at most (``_needs``)."""
         t = oracle.load("grads", p)
-        if not bool(t.isfinite().all()):
-            oracle_nonfinite.append(p)
-        for b in bands:
-            band_cache[f"{b.path}|{p}"] = [tensor_metrics(b.load(g, p), t) for g in b.member_groups() if b.has(g, p)]
-        for plan in plans:
-            c = plan["bundle"]
-            if plan["norms"] is not None:
-                if p in plan["norms"]:
-                    plan["rows"][p] = _norm_row(plan["norms"][p], float(t.double().norm()))
-            elif c.has("grads", p):
+        got: dict[str, Any] = {"finite": bool(t.isfinite().all()), "bands": [[] for _ in bands],
+                               "rows": [None] * len(plans), "padded": [None] * len(plans)}  # fmt: skip
+
+        def member(bi: int, b: Bundle, g: str):
+            return lambda: [(("band", bi), metrics.start(b.load(g, p), t, chunks))]
+
+        def capture(ci: int, c: Bundle):
+            def go():
                 g = c.load("grads", p)
-                plan["rows"][p] = tensor_metrics(g, t)
+                out = [(("row", ci), metrics.start(g, t, chunks))]
                 if p in padded and g.shape == t.shape:
-                    plan["padded"][p] = {"rows": list(padded[p]), **tensor_metrics(g[padded[p][0] :], t[padded[p][0] :])}
+                    out.append((("pad", ci), metrics.start(g[padded[p][0] :], t[padded[p][0] :], chunks)))
+                return out
+            return go
+
+        jobs = [member(bi, b, g) for bi, b in enumerate(bands) for g in b.member_groups() if b.has(g, p)]
+        jobs += [capture(ci, plan["bundle"]) for ci, plan in enumerate(plans)
+                 if plan["norms"] is None and plan["bundle"].has("grads", p)]  # fmt: skip
+        before: list = []
+        for job in [*jobs, list]:  # the serial loop's order; ``list`` (no job) ends the last one
+            now = job()
+            for (kind, i), parts in before:
+                m = metrics.finish(parts)
+                if kind == "band":
+                    got["bands"][i].append(m)
+                elif kind == "row":
+                    got["rows"][i] = m
+                else:
+                    got["padded"][i] = {"rows": list(padded[p]), **m}
+            before = now
+        for ci, plan in enumerate(plans):
+            if plan["norms"] is not None and p in plan["norms"]:
+                got["rows"][ci] = _norm_row(plan["norms"][p], float(t.double().norm()))
+        return got
+
+    need = _needs(oracle, [*bands, *caps], pnames)
+    oracle_nonfinite = []
+    workers = workers or default_workers()
+    with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="oracle-chunks") as chunks:
+        got_all = list(ordered(one, pnames, need.get, max(need.values(), default=0), workers))
+    for p, got in zip(pnames, got_all):
+        if not got["finite"]:
+            oracle_nonfinite.append(p)
+        band_rows = {str(b.path): rows for b, rows in zip(bands, got["bands"])}
+        for plan, row, pad in zip(plans, got["rows"], got["padded"]):
+            if row is not None:
+                plan["rows"][p] = row
+            if pad is not None:
+                plan["padded"][p] = pad
             if plan["band"] is not None:
-                plan["band_rows"][p] = band_cache[f"{plan['band'].path}|{p}"]
-        del t
+                plan["band_rows"][p] = band_rows[str(plan["band"].path)]
 
     rank = {n: i for i, n in enumerate(oracle.get("backward_order") or [])}
     oracle_nonfinite.sort(key=lambda p: rank.get(p, len(rank)))
@@ -248,16 +287,28 @@ def score(
     return out
 
 
-def memory_need(caps: list[Bundle], band_itemsize: int = 4) -> int:
-    """Bytes ``score`` holds at once beyond the process (judge's estimate of its score stage): it scores
-    one parameter at a time, holding its truth (float64), one band member's gradient (``band_itemsize``,
-    float32 for the emulated members) and one capture's, and tensor_metrics' temporaries (six chunks of
-    float64 at most: the upcasts, d and one product); the largest parameter sets it."""
+def _needs(oracle: Bundle, others: list[Bundle], pnames: list[str]) -> dict[str, int]:
+    """Bytes scoring one parameter holds at once (``score``'s ``one``): its truth, the two largest other
+    gradients of it (one read while the chunks of the one before run). The chunk threads' temporaries come
+    on top, whatever the parameter (``memory_need``)."""
+    out = {}
+    for p in pnames:
+        other = sorted((entry_nbytes(b.entry(g, p)) for b in others for g in b.member_groups() if b.has(g, p)), reverse=True)
+        out[p] = entry_nbytes(oracle.entry("grads", p)) + sum(other[:2])
+    return out
+
+
+def memory_need(caps: list[Bundle], band_itemsize: int = 4, workers: int | None = None) -> int:
+    """Bytes ``score`` holds at once beyond the process (judge's estimate of its score stage): parameters run
+    together while their holdings sum to at most the largest one's (pool.py), which is its truth (float64) and
+    two other gradients (one read while the other's chunks run: a band member's, ``band_itemsize``, float32 for
+    the emulated members, and a capture's), plus tensor_metrics' temporaries on each of ``workers`` chunk
+    threads (six chunks of float64 at most: the upcasts, d and one product)."""
     largest = 0
     for c in caps:
         for e in c.manifest["tensors"].get("grads", {}).values():
             largest = max(largest, entry_numel(e) * (8 + band_itemsize) + entry_nbytes(e))
-    return largest + 6 * 8 * metrics.CHUNK
+    return largest + (workers or default_workers()) * 6 * 8 * metrics.CHUNK
 
 
 def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:

@@ -64,6 +64,19 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
     loaded = {"truth": {"seconds": 2800.0, "gemm_seconds": 2700.0, "gemm_core_seconds": 1800.0},
               "band-bf16": {"seconds": 1980.0, "gemm_seconds": 1920.0, "gemm_core_seconds": 1280.0}, "score": {"seconds": 30.0}}  # fmt: skip
     assert abs(elsewhere(loaded, 2, 64) - elsewhere(est, 2, 64)) < 1e-9
+    # the score's pool (score/pool.py) on a server: SCORE_THREADS_PRICED workers at the measured efficiency, no
+    # faster than one drive reads; its fixed cost (the 5 s above the pool's own time here) as here
+    from oracle.pipeline import judge
+
+    nbytes = 210e9
+    here = judge.score_seconds(nbytes, 2)
+    assert abs(here - nbytes / (judge.SCORE_CORE_BYTES_PER_S * 2 * judge.SCORE_POOL_EFFICIENCY)) < 1e-6
+    server = nbytes / (judge.SCORE_CORE_BYTES_PER_S * judge.SCORE_THREADS_PRICED * judge.SCORE_POOL_EFFICIENCY)
+    assert judge.score_seconds(nbytes, 64) == max(server, nbytes / judge.SCORE_DISK_BYTES_PER_S) < here / 3
+    assert judge.score_seconds(nbytes, 1) == nbytes / judge.SCORE_CORE_BYTES_PER_S
+    pooled = {"score": {"seconds": here + 5.0, "score_bytes": nbytes, "score_workers": 2}}
+    assert abs(elsewhere(pooled, 2, 64) - (5.0 + judge.score_seconds(nbytes, 64))) < 1e-6
+    assert abs(elsewhere(pooled, 2, 64, 8) - elsewhere(pooled, 2, 64)) < 1e-9  # on one host of the 8
     out = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run"]).stdout
     assert "on one 64-core server: about " in out and "on 8 hosts of 64 cores" in out, out
     assert "GFLOP/s per core by CPU time" in out and "load average" in out, out
