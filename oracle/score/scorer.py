@@ -206,10 +206,8 @@ def score(
         jobs = [member(bi, b, g) for bi, b in enumerate(bands) for g in b.member_groups() if b.has(g, p)]
         jobs += [capture(ci, plan["bundle"]) for ci, plan in enumerate(plans)
                  if plan["norms"] is None and plan["bundle"].has("grads", p)]  # fmt: skip
-        before: list = []
-        for job in [*jobs, list]:  # the serial loop's order; ``list`` (no job) ends the last one
-            now = job()
-            for (kind, i), parts in before:
+        def finish(started: list) -> None:
+            for (kind, i), parts in started:
                 m = metrics.finish(parts)
                 if kind == "band":
                     got["bands"][i].append(m)
@@ -217,7 +215,13 @@ def score(
                     got["rows"][i] = m
                 else:
                     got["padded"][i] = {"rows": list(padded[p]), **m}
+
+        before: list = []
+        for job in jobs:  # the serial loop's order: read the next while the one before's chunks run
+            now = job()
+            finish(before)
             before = now
+        finish(before)
         for ci, plan in enumerate(plans):
             if plan["norms"] is not None and p in plan["norms"]:
                 got["rows"][ci] = _norm_row(plan["norms"][p], float(t.double().norm()))
