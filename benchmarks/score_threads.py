@@ -37,8 +37,8 @@ from streaming import QWEN3_D, text_inputs, write_capture  # noqa: E402
 
 from oracle import metrics  # noqa: E402
 from oracle.bundle.store import Bundle, BundleWriter  # noqa: E402
+from oracle.replay.options import cores  # noqa: E402
 from oracle.score import scorer  # noqa: E402
-from oracle.score.pool import default_workers  # noqa: E402
 
 
 def build(d: Path, tokens: int, hidden: int, layers: int) -> None:
@@ -98,7 +98,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=None)
     a = ap.parse_args()
-    n = default_workers()
+    n = cores()
     with tempfile.TemporaryDirectory() as tmp:
         d = a.dir or Path(tmp)
         build(d, a.tokens, a.hidden, a.layers)

@@ -17,8 +17,8 @@ model be aggregated exactly: rel_l2(layer) = sqrt(sum err_sq) / sqrt(sum ref_sq)
 Memory: a tensor is measured ``CHUNK`` elements at a time, each chunk's sums added in Python floats
 (float64). In one pass the upcasts, d and the products needed 5.1x the tensor's float64 size beyond its
 inputs (``python benchmarks/score_memory.py``): 24 GiB for Qwen3-VL-8B's embedding gradient (622 M
-elements), above the 16 GiB the rest of the judge fits in. By chunks the temporaries are a few chunks
-whatever the tensor. A tensor of at most ``CHUNK`` elements is one chunk: the same operations as one
+elements), above the 16 GiB the rest of the judge fits in. By chunks the temporaries are four reused
+float64 chunks per thread (``_chunk``) whatever the tensor. A tensor of at most ``CHUNK`` elements is one chunk: the same operations as one
 pass, bitwise; a larger one's sums are the chunks' sums added (float64, relative change ~1e-16).
 """
 
@@ -51,7 +51,7 @@ def rel_l2(dev: list[torch.Tensor] | torch.Tensor, ref: list[torch.Tensor] | tor
     return safe_ratio(math.sqrt(err), math.sqrt(den))
 
 
-# Elements per pass: 8 MiB float64 temporaries (about 17 of them per chunk, 6 alive at once). At 2^22 (32 MiB) each
+# Elements per pass: 8 MiB float64 temporaries (about 17 of them per chunk, 6 alive at once, before ``_SCRATCH``). At 2^22 (32 MiB) each
 # temporary sat just above glibc's largest dynamic mmap threshold (32 MiB), so every one was a fresh mmap, page-faulted
 # and unmapped: a call on 2^26 float32/float64 pairs took 2.34 s (2.71 s of it system time, 1.7 M minor faults) against
 # 0.79 s at 2^20 (0.23 s system, 0.14 M faults), the same values to the last ulp or two (the chunks' partial sums are

@@ -343,9 +343,9 @@ class Judge:
 
     def score_workers(self) -> int:
         """The score's threads (score/pool.py): ``--threads`` where given, else this process's cores."""
-        from ..score.pool import default_workers
+        from ..replay.options import cores
 
-        return self.threads or default_workers()
+        return self.threads or cores()
 
     def _spread(self) -> int:
         """How many processes share a band's members (``--nproc``)."""

@@ -24,7 +24,6 @@ matrices a dozen at a time at the 8B's shapes.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,14 +36,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def default_workers() -> int:
-    """The cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 class Budget:
     """Bytes reserved by the parameters in flight, taken in the items' order: ``take(k, need)`` waits until
     item k is next and ``need`` fits under ``cap`` or nothing else is in flight. In order, so a large
@@ -52,7 +43,7 @@ class Budget:
     budget instead)."""
 
     def __init__(self, cap: int) -> None:
-        self.cap, self.used, self.peak, self.next, self.stopped = max(int(cap), 0), 0, 0, 0, False
+        self.cap, self.used, self.next, self.stopped = max(int(cap), 0), 0, 0, False
         self._cv = threading.Condition()
 
     def stop(self) -> None:
@@ -68,7 +59,6 @@ class Budget:
                 raise RuntimeError("the score stopped before this parameter")
             self.used += need
             self.next += 1
-            self.peak = max(self.peak, self.used)
             self._cv.notify_all()
 
     def give(self, need: int) -> None:

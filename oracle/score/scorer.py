@@ -60,11 +60,12 @@ from ..bundle.store import Bundle
 from ..errors import BundleError, MismatchError, UsageError, problem_lines
 from ..metrics import aggregate, global_scale
 from ..replay.certify import FD_WARN
+from ..replay.options import cores
 from . import calibrate
 from .framework import finding as framework_finding
 from .framework import framework_rows, judge_per_rank
 from .layers import group as group_layers
-from .pool import default_workers, one_thread, ordered
+from .pool import one_thread, ordered
 from .tolerance import MARGIN, check_margin, table
 
 WITHIN, BEYOND, NONFINITE = "within_noise", "beyond_noise", "non_finite"
@@ -229,7 +230,7 @@ def score(
 
     need = _needs(oracle, [*bands, *caps], pnames)
     oracle_nonfinite = []
-    workers = workers or default_workers()
+    workers = workers or cores()
     with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="oracle-chunks") as chunks:
         got_all = list(ordered(one, pnames, need.get, max(need.values(), default=0), workers))
     for p, got in zip(pnames, got_all):
@@ -312,7 +313,7 @@ def memory_need(caps: list[Bundle], band_itemsize: int = 4, workers: int | None 
     for c in caps:
         for e in c.manifest["tensors"].get("grads", {}).values():
             largest = max(largest, entry_numel(e) * (8 + band_itemsize) + entry_nbytes(e))
-    return largest + (workers or default_workers()) * 6 * 8 * metrics.CHUNK
+    return largest + (workers or cores()) * 6 * 8 * metrics.CHUNK
 
 
 def _coverage(plan: dict, pnames: list[str]) -> dict[str, Any]:
