@@ -14,6 +14,10 @@ Both are upcast to float64 here (the scorer's only upcast point); with d = g - t
 The sums kept alongside (``err_sq``, ``ref_sq``, ``dot``, ``self_sq``) let layers and the whole
 model be aggregated exactly: rel_l2(layer) = sqrt(sum err_sq) / sqrt(sum ref_sq).
 
+Every sum here is the same float64 value at any thread count (``ROW``), so a report scored from the same
+bundles is bitwise the same on machines of any core count (the same instruction set: the vectorised order
+within a row is the CPU's).
+
 Memory: a tensor is measured ``CHUNK`` elements at a time, each chunk's sums added in Python floats
 (float64). In one pass the upcasts, d and the products needed 5.1x the tensor's float64 size beyond its
 inputs (``python benchmarks/score_memory.py``): 24 GiB for Qwen3-VL-8B's embedding gradient (622 M
@@ -41,13 +45,14 @@ def safe_ratio(num: float, den: float, *, both_zero: float = 0.0) -> float:
 def rel_l2(dev: list[torch.Tensor] | torch.Tensor, ref: list[torch.Tensor] | torch.Tensor) -> float:
     """Joint relative L2 error of tensors against their truths, in float64:
     sqrt(sum_i ||d_i - r_i||^2) / sqrt(sum_i ||r_i||^2); 0 if both are zero, inf if only the truth is.
-    NaN/Inf in ``dev`` make the result NaN: callers that must localise them count them first."""
+    NaN/Inf in ``dev`` make the result NaN: callers that must localise them count them first.
+    The same value at any thread count (``sum_sq``)."""
     dev = [dev] if isinstance(dev, torch.Tensor) else list(dev)
     ref = [ref] if isinstance(ref, torch.Tensor) else list(ref)
     if len(dev) != len(ref):
         raise ValueError(f"{len(dev)} tensors against {len(ref)} truths")
-    err = sum(float(((d.double() - r.double()) ** 2).sum()) for d, r in zip(dev, ref))
-    den = sum(float((r.double() ** 2).sum()) for r in ref)
+    err = sum(sum_sq(d, r) for d, r in zip(dev, ref))
+    den = sum(sum_sq(r) for r in ref)
     return safe_ratio(math.sqrt(err), math.sqrt(den))
 
 
@@ -61,6 +66,61 @@ CHUNK = 1 << 20
 
 
 _SCRATCH = threading.local()  # each thread's four float64 chunks: the temporaries of ``_chunk``, reused
+# A sum's row: torch sums a whole tensor by splitting it among its intra-op threads, so its grouping (the last bits)
+# moved with the machine's core count; a (rows, ROW) view summed along its rows is split by rows instead (each row
+# summed whole on one thread, its vectorised order fixed), and the rows' sums, fewer than torch's grain of 32768,
+# are added on one thread: the same float64 value at 1, 2, 3 or 4 threads (tests/unit/test_metrics.py).
+ROW = 8192
+
+
+def _sum(x: torch.Tensor) -> float:
+    """``float(x.sum())`` of a contiguous 1-D float64 tensor of at most CHUNK elements, the same at any thread
+    count (ROW above)."""
+    n = x.numel()
+    m = n - n % ROW
+    s = float(x[:m].view(-1, ROW).sum(1).sum()) if m else 0.0
+    return s + float(x[m:].sum()) if m < n else s
+
+
+def _scratch(n: int) -> torch.Tensor:
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.shape[1] < n:
+        buf = _SCRATCH.buf = torch.empty(4, max(n, CHUNK), dtype=torch.float64)
+    return buf
+
+
+def sum_sq(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
+    """sum((x - y)^2), or sum(x^2) without ``y``, in float64 (upcast here), by CHUNK elements added in order:
+    the same value at any thread count, no float64 copy of the whole tensor."""
+    return _pairwise(x, y, lambda d, tmp: _sum(torch.mul(d, d, out=tmp)), subtract=True)
+
+
+def dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """sum(x * y) in float64 (upcast here), by CHUNK elements added in order, as ``sum_sq``."""
+    return _pairwise(x, y, lambda xy, tmp: _sum(xy), subtract=False)
+
+
+def norm(x: torch.Tensor) -> float:
+    """||x||_2 in float64, as ``sum_sq``."""
+    return math.sqrt(sum_sq(x))
+
+
+def _pairwise(x: torch.Tensor, y: torch.Tensor | None, reduce, *, subtract: bool) -> float:
+    x = x.detach().reshape(-1)
+    if y is not None:
+        y = y.detach().reshape(-1)
+        if y.shape != x.shape:
+            raise ValueError(f"shape {tuple(x.shape)} vs {tuple(y.shape)}")
+    total = 0.0
+    for i in range(0, x.numel(), CHUNK):
+        n = min(CHUNK, x.numel() - i)
+        buf = _scratch(n)
+        a = buf[0, :n].copy_(x[i : i + n])
+        if y is not None:
+            b = buf[1, :n].copy_(y[i : i + n])
+            a = a.sub_(b) if subtract else a.mul_(b)
+        total += reduce(a, buf[2, :n])
+    return total
 
 
 def _chunk(g: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float, float, float, int, int, int]:
@@ -68,9 +128,7 @@ def _chunk(g: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float, float
     Its float64 temporaries live in the calling thread's scratch (fresh 8 MiB temporaries on several threads
     were returned to the system and faulted in again: a third more system time on 2 threads)."""
     n = g.numel()
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.shape[1] < n:
-        buf = _SCRATCH.buf = torch.empty(4, max(n, CHUNK), dtype=torch.float64)
+    buf = _scratch(n)
     gc = buf[0, :n].copy_(g)  # the upcast point
     tc = buf[1, :n].copy_(t)
     finite = torch.isfinite(gc)
@@ -80,14 +138,14 @@ def _chunk(g: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float, float
     k = gc.numel()
     d = torch.sub(gc, tc, out=buf[2, :k])
     sq = buf[3, :k]
-    err = float(torch.mul(d, d, out=sq).sum())
-    ref = float(torch.mul(tc, tc, out=sq).sum())
-    slf = float(torch.mul(gc, gc, out=sq).sum())
-    dot = float(torch.mul(gc, tc, out=sq).sum())
+    err = _sum(torch.mul(d, d, out=sq))
+    ref = _sum(torch.mul(tc, tc, out=sq))
+    slf = _sum(torch.mul(gc, gc, out=sq))
+    dt = _sum(torch.mul(gc, tc, out=sq))
     ad = torch.abs(d, out=sq)  # |d| once, for the max and the count
     mx = float(ad.max()) if k else 0.0
     off = int(torch.count_nonzero(ad > torch.abs(tc, out=buf[0, :k]).mul_(1e-3)))
-    return err, ref, slf, dot, mx, off, k, bad
+    return err, ref, slf, dt, mx, off, k, bad
 
 
 def tensor_metrics(g: torch.Tensor, t: torch.Tensor, pool: Executor | None = None) -> dict[str, float]:

@@ -12,8 +12,9 @@ the parallelism is over parameters, not inside a chunk, where a 2^20-element op 
 spends its time starting them.
 
 Numerics: every parameter's metrics come from the same calls on the same tensors whichever thread runs
-them, and torch's float64 sums are the same at 1 and 2 intra-op threads on these chunks (checked by
-``tests/unit/test_score_pool.py``), so a report is bitwise the same at any worker count.
+them, the chunks' sums are added in the chunks' order, and each chunk's float64 sums are grouped by rows
+whatever torch's thread count (``metrics.ROW``), so a report is bitwise the same at any worker count and
+on any core count (``tests/unit/test_score_pool.py``).
 
 Memory: a parameter reserves ``need(item)`` bytes before it is loaded and frees them when its metrics are
 done; parameters run together only while their reservations sum to at most ``cap`` (one runs alone
@@ -70,8 +71,9 @@ class Budget:
 @contextmanager
 def one_thread() -> Iterator[None]:
     """torch's intra-op threads at 1 (restored after): threads started inside run their ops on one thread
-    each, and a float64 sum is then the same on any machine's core count (at 2 threads torch's sum of a
-    2^20-element chunk is grouped otherwise: last bits of the report moved with the cores before)."""
+    each (the pool's workers are the parallelism; a 2^20-element op split over many threads spends its time
+    starting them). The sums do not depend on it (``metrics.ROW``); before they did, and the last bits of
+    the report moved with the cores."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -225,7 +225,7 @@ def score(
         finish(before)
         for ci, plan in enumerate(plans):
             if plan["norms"] is not None and p in plan["norms"]:
-                got["rows"][ci] = _norm_row(plan["norms"][p], float(t.double().norm()))
+                got["rows"][ci] = _norm_row(plan["norms"][p], metrics.norm(t))
         return got
 
     need = _needs(oracle, [*bands, *caps], pnames)
@@ -445,10 +445,7 @@ def _logit_slope(cap: Bundle, oracle: Bundle) -> float | None:
     w, g = cap.load("weights", HEAD), oracle.load("grads", HEAD)
     if w.shape != g.shape:
         return None
-    total = 0.0
-    for i in range(0, w.shape[0], 8192):  # row blocks: no float64 copy of a 152k-row head at once
-        total += float((w[i:i + 8192].double() * g[i:i + 8192].double()).sum())
-    return total
+    return metrics.dot(w, g)  # by chunks: no float64 copy of a 152k-row head at once
 
 
 def _default_names(caps: list[Bundle]) -> list[str]:

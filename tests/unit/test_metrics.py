@@ -67,3 +67,42 @@ def test_temporaries_stay_a_few_chunks_for_a_large_tensor():
     assert p.returncode == 0, p.stderr
     extra = json.loads(p.stdout)["extra"]
     assert extra < 8 * n, f"{extra / 2**20:.0f} MiB above the inputs for a {8 * n / 2**20:.0f} MiB truth"
+
+
+def test_sums_are_the_same_at_any_thread_count():
+    """tensor_metrics (no pool), rel_l2, sum_sq, dot and norm over 2^20 + 8197 elements (two chunks, a ragged last
+    row): bitwise the same at 1, 2, 3 and 4 torch threads, and within 1e-13 of the plain float64 formulas. torch's own
+    sum of the same squares is grouped by its threads (the inputs discriminate: it differs between the counts)."""
+    n = (1 << 20) + 8197
+    g, t = _pair(n, seed=2)
+    g[17] = g[40] = g[41] = g[n - 1] = 0.5  # finite: rel_l2 and the plain sums see every element
+    before = torch.get_num_threads()
+    got, plain = {}, set()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            m = metrics.tensor_metrics(g, t)
+            got[threads] = (m["err_sq"], m["ref_sq"], m["self_sq"], m["dot"], metrics.rel_l2([g, g[:100]], [t, t[:100]]),
+                            metrics.sum_sq(g, t), metrics.dot(g, t), metrics.norm(t))  # fmt: skip
+            plain.add(float(((g.double() - t) ** 2).sum()))
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(got.values())) == 1, got
+    assert len(plain) > 1, "torch's whole-tensor sum gave one value at 1-4 threads: this test no longer discriminates"
+    d = g.double() - t
+    err, dt, ref = float((d * d).sum()), float((g.double() * t).sum()), float((t * t).sum())
+    one = got[1]
+    assert math.isclose(one[0], err, rel_tol=1e-13) and math.isclose(one[5], err, rel_tol=1e-13)
+    assert math.isclose(one[3], dt, rel_tol=1e-13) and math.isclose(one[6], dt, rel_tol=1e-13)
+    assert math.isclose(one[7], math.sqrt(ref), rel_tol=1e-13) and math.isclose(one[1], ref, rel_tol=1e-13)
+    both = err + float((d[:100] * d[:100]).sum())
+    assert math.isclose(one[4], math.sqrt(both / (ref + float((t[:100] ** 2).sum()))), rel_tol=1e-13)
+
+
+def test_rel_l2_keeps_its_edges():
+    """rel_l2: 0 when both are zero, inf when only the truth is, NaN when the device holds a NaN."""
+    z = torch.zeros(10)
+    assert metrics.rel_l2(z, z) == 0.0 and metrics.rel_l2(torch.ones(10), z) == math.inf
+    assert math.isnan(metrics.rel_l2(torch.tensor([1.0, float("nan")]), torch.ones(2)))
+    with pytest.raises(ValueError):
+        metrics.rel_l2([z], [z, z])

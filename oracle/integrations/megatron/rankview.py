@@ -41,7 +41,7 @@ import torch
 
 from ...bundle.store import Bundle
 from ...errors import BundleError, UsageError
-from ...metrics import rel_l2
+from ...metrics import norm, rel_l2
 from ...precision.mode import PrecisionMode
 from ...replay.run import run_step
 from ...replay.setup import recipe_of
@@ -231,7 +231,7 @@ def compare_rank(view: dict[str, torch.Tensor], rank_bundle: str | Path) -> dict
 def log_rows(view: dict[str, torch.Tensor], logs, labels) -> dict[str, Any]:
     """Per parameter: the truth's norm on this rank (finite elements), each log's norm and its
     deviation |n_log / n_truth - 1|, and which log is closer; ``wins`` counts them per log."""
-    truth = {strip_wrappers(n): float(t[torch.isfinite(t)].norm()) for n, t in view.items()}
+    truth = {strip_wrappers(n): norm(t[torch.isfinite(t)]) for n, t in view.items()}
     rows, wins = [], {lab: 0 for lab in labels}
     for name in sorted(truth, key=lambda n: (n.count("layers"), n)):
         vals = [next((v for k, v in log.norms.items() if strip_wrappers(k) == name), None) for log in logs]

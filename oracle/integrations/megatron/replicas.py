@@ -20,18 +20,21 @@ per-rank part, as for the ViT blocks feeding the deepstack mergers) is decided a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+
+from ...metrics import norm, sum_sq
 
 AGREEMENT = 1e-5  # relative L2: TP copies of one replicated gradient agree to this when reduced
 
 
 def spread(per_rank: list[torch.Tensor]) -> float:
     """max_r ||g_r - g_0|| / ||g_0|| in float64 (0 for one rank)."""
-    ref = per_rank[0].double()
-    scale = max(float(ref.norm()), 1e-30)
-    return max((float((g.double() - ref).norm()) / scale for g in per_rank[1:]), default=0.0)
+    ref = per_rank[0]
+    scale = max(norm(ref), 1e-30)
+    return max((math.sqrt(sum_sq(g, ref)) / scale for g in per_rank[1:]), default=0.0)
 
 
 def reduce_replicas(mname: str, hf: str, per_rank: list[torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any] | None]:
