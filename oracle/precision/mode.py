@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -112,9 +113,11 @@ _DTYPE_GET = torch.Tensor.dtype.__get__
 #   as it is: rounding a rounded value gives it back (and a jittered member draws nothing for it, as
 #   ``_round``'s all-exact case already did), so the results are bitwise those of rounding it again;
 #   any in-place write (a view's included) moves the version counter and the record no longer holds;
-# - a tensor of _BLOCK elements or more is rounded block by block (the temporaries one block in size),
-#   and an op's own fresh result in place (not held twice).
-# Both only for tensors of _MARK_MIN / _BLOCK elements or more: small ones are rounded exactly as before
+# - a tensor of _BLOCK elements or more is rounded block by block (the temporaries one block in size);
+# - an op's own fresh result of _MARK_MIN elements or more is rounded in place (not held twice; a new
+#   tensor of a few MiB was a fresh mapping the kernel zeroed page by page: on Qwen3-VL-8B's 2-layer cut a
+#   bf16 member spent 11 % of its CPU zeroing the pages of such copies, ``perf record``).
+# Only for tensors of _MARK_MIN / _BLOCK elements or more: small ones are rounded exactly as before
 # (the record would cost more than the rounding). Jittered blocks draw block by block, a stream as
 # legitimate as one draw and as repeatable.
 _MARK_MIN = 1 << 16
@@ -131,6 +134,16 @@ _BLOCK = 1 << 22
 # a few k of the dot product meet the same factor), so each member is still a legitimate rounding of
 # its own, repeatable from its seed.
 _POOL = 1 << 23
+
+# A rounding converts to the format and back: ``x.to(bf16)`` made a fresh half-size temporary per rounding, and
+# above glibc's mmap threshold (1 MiB in a streamed member, engine.MMAP_MB) each was a fresh mapping the kernel
+# zeroed page by page: 12 % of a bf16 member's CPU time on Qwen3-VL-8B's 2-layer cut at 4096 tokens went to zeroing
+# those pages (``perf record``: clear_page_erms under the float->bf16 copy kernel). A contiguous tensor of
+# _NARROW_MIN to _NARROW_MAX elements (a _BLOCK: a larger tensor is rounded by blocks) is converted into a buffer
+# kept per thread and format instead (the same conversion kernel: bitwise the same values); 8 MiB in bf16, held for
+# the process's life.
+_NARROW_MIN, _NARROW_MAX = 1 << 18, 1 << 22
+_NARROW = threading.local()
 
 
 def _factor_pool(seed: int, jitter: float, dtype: torch.dtype) -> torch.Tensor:
@@ -331,8 +344,10 @@ class PrecisionMode(TorchDispatchMode):
         if low and self._holds_rounded(x):
             return x
         n = x.numel()
-        if n < _BLOCK or not x.is_contiguous():
+        if not x.is_contiguous():
             out = self._round_values(x)
+        elif n < _BLOCK:  # an op's own result in place (``fresh``): a new tensor was a fresh mapping to fault in
+            out = self._round_values(x, out=x if fresh else None)
         else:
             out = x if fresh else torch.empty_like(x)
             src, dst = x.view(-1), out.view(-1)
@@ -346,7 +361,7 @@ class PrecisionMode(TorchDispatchMode):
         """``x`` rounded to the format (jittered in a member), into ``out`` where given (``x``'s shape,
         contiguous; ``x`` itself allowed), else as a new tensor."""
         if self._gen is None:
-            r = x.to(self.round_to)
+            r = self._narrowed(x)
             return r.to(self.compute) if out is None else out.copy_(r)
         if self.round_to == self.compute:  # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u
             u = torch.rand(x.shape, generator=self._gen, dtype=torch.float64).mul_(2 * self._jitter).sub_(self._jitter)
@@ -364,7 +379,19 @@ class PrecisionMode(TorchDispatchMode):
         # step below is half as wide and x u reaches at most that tie, which rounds back to x, the even
         # one), so integers, positions and masks stay exact without a mask.
         moved = torch.mul(x, self._factors(x.shape), out=out) if out is not None else x * self._factors(x.shape)
-        return moved.copy_(moved.to(self.round_to))
+        return moved.copy_(self._narrowed(moved))
+
+    def _narrowed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.to(self.round_to)``, for a large contiguous ``x`` in this thread's reused buffer (_NARROW_MIN):
+        read it before the next rounding on this thread."""
+        n = x.numel()
+        if n < _NARROW_MIN or n > _NARROW_MAX or x.dtype == self.round_to or not x.is_contiguous() or x.device.type != "cpu":
+            return x.to(self.round_to)
+        bufs = _NARROW.__dict__.setdefault("bufs", {})
+        buf = bufs.get(self.round_to)
+        if buf is None:
+            buf = bufs[self.round_to] = torch.empty(_NARROW_MAX, dtype=self.round_to)
+        return buf[:n].view(x.shape).copy_(x)
 
     def _in_format(self, x: torch.Tensor) -> bool:
         """Every value of ``x`` (float32) already one of the format's: for bf16 its low 16 bits are zero
@@ -506,7 +533,7 @@ class PrecisionMode(TorchDispatchMode):
         if not rounds:
             return out
         held = None  # the inputs' storages, looked up only for a result large enough to round in place
-        if any(isinstance(o, torch.Tensor) and o.numel() >= _BLOCK for o in tree_flatten(out)[0]):
+        if any(isinstance(o, torch.Tensor) and o.numel() >= _MARK_MIN for o in tree_flatten(out)[0]):
             held = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                     if isinstance(t, torch.Tensor) and t.layout == torch.strided}  # fmt: skip
         if cpu_low and func == _aten.native_layer_norm_backward.default:  # pure bf16: the same kernel sums

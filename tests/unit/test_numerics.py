@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from oracle.precision import mode as m
 from oracle.precision.mode import PrecisionMode
 
 
@@ -197,3 +198,27 @@ def test_a_rounded_tensor_written_in_place_is_rounded_again_as_an_operand():
     with mode:
         v = (ones * 1.0).view(-1, 2)  # a view of a rounded tensor holds rounded values too
         assert mode._holds_rounded(v)
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+def test_a_fresh_result_is_rounded_in_place_and_an_operand_into_a_new_tensor(seed):
+    """_round of 2^17 float32 values (above _MARK_MIN, below _BLOCK): an op's own fresh result is rounded in its own
+    storage, an operand into a new tensor leaving it unchanged; both the same bits as the format's conversion
+    (round to nearest; a jittered member the same draws either way). The conversion's reused buffer (_narrowed) never
+    leaks: two roundings in a row keep their own values, and an fp32 member's rounding (the identity) is not it."""
+    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(3))
+    fresh, operand = x.clone(), x.clone()
+    a = m.PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=seed)
+    b = m.PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=seed)
+    got = a._round(fresh, fresh=True)
+    new = b._round(operand)
+    assert got is fresh and new is not operand and torch.equal(operand, x)
+    assert torch.equal(got, new)
+    if seed is None:
+        assert torch.equal(got, x.to(torch.bfloat16).float())
+    y = torch.randn(1 << 19, generator=torch.Generator().manual_seed(4))
+    ry = m.PrecisionMode(torch.float32, torch.bfloat16)._round(y)
+    rx = m.PrecisionMode(torch.float32, torch.bfloat16)._round(x)
+    assert torch.equal(ry, y.to(torch.bfloat16).float()) and torch.equal(rx, x.to(torch.bfloat16).float())
+    f32 = m.PrecisionMode(torch.float32, torch.float32)._round(y)
+    assert torch.equal(f32, y) and f32.data_ptr() == y.data_ptr()
