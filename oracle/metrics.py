@@ -92,12 +92,12 @@ def _scratch(n: int) -> torch.Tensor:
 def sum_sq(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
     """sum((x - y)^2), or sum(x^2) without ``y``, in float64 (upcast here), by CHUNK elements added in order:
     the same value at any thread count, no float64 copy of the whole tensor."""
-    return _pairwise(x, y, lambda d, tmp: _sum(torch.mul(d, d, out=tmp)), subtract=True)
+    return _by_chunks(x, y, square=True)
 
 
 def dot(x: torch.Tensor, y: torch.Tensor) -> float:
     """sum(x * y) in float64 (upcast here), by CHUNK elements added in order, as ``sum_sq``."""
-    return _pairwise(x, y, lambda xy, tmp: _sum(xy), subtract=False)
+    return _by_chunks(x, y, square=False)
 
 
 def norm(x: torch.Tensor) -> float:
@@ -105,7 +105,7 @@ def norm(x: torch.Tensor) -> float:
     return math.sqrt(sum_sq(x))
 
 
-def _pairwise(x: torch.Tensor, y: torch.Tensor | None, reduce, *, subtract: bool) -> float:
+def _by_chunks(x: torch.Tensor, y: torch.Tensor | None, *, square: bool) -> float:
     x = x.detach().reshape(-1)
     if y is not None:
         y = y.detach().reshape(-1)
@@ -115,11 +115,10 @@ def _pairwise(x: torch.Tensor, y: torch.Tensor | None, reduce, *, subtract: bool
     for i in range(0, x.numel(), CHUNK):
         n = min(CHUNK, x.numel() - i)
         buf = _scratch(n)
-        a = buf[0, :n].copy_(x[i : i + n])
+        a = buf[0, :n].copy_(x[i : i + n])  # the upcast point; y's piece is widened exactly by type promotion
         if y is not None:
-            b = buf[1, :n].copy_(y[i : i + n])
-            a = a.sub_(b) if subtract else a.mul_(b)
-        total += reduce(a, buf[2, :n])
+            a = a.sub_(y[i : i + n]) if square else a.mul_(y[i : i + n])
+        total += _sum(torch.mul(a, a, out=buf[1, :n]) if square else a)
     return total
 
 
