@@ -137,8 +137,9 @@ _POOL = 1 << 23
 
 # A rounding converts to the format and back: ``x.to(bf16)`` made a fresh half-size temporary per rounding, and
 # above glibc's mmap threshold (1 MiB in a streamed member, engine.MMAP_MB) each was a fresh mapping the kernel
-# zeroed page by page: 12 % of a bf16 member's CPU time on Qwen3-VL-8B's 2-layer cut at 4096 tokens went to zeroing
-# those pages (``perf record``: clear_page_erms under the float->bf16 copy kernel). A contiguous tensor of
+# zeroed page by page: 2.7 % of a bf16 member's CPU time on Qwen3-VL-8B's 2-layer cut at 4096 tokens went to zeroing
+# those pages (``perf record``: clear_page_erms under the float->bf16 copy kernel; the 11 % under the copy back was
+# the rounded copies of fresh results, now rounded in place: _MARK_MIN above). A contiguous tensor of
 # _NARROW_MIN to _NARROW_MAX elements (a _BLOCK: a larger tensor is rounded by blocks) is converted into a buffer
 # kept per thread and format instead (the same conversion kernel: bitwise the same values); 8 MiB in bf16, held for
 # the process's life.
