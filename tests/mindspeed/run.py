@@ -12,6 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 VENV = os.path.join(ROOT, ".venv-mindspeed", "bin", "python")
 
 
+def available() -> bool:
+    """.venv-mindspeed is built and this checkout's oracle installed in it (marked last by .ci/install-oracle, as
+    rank_capture.available)."""
+    return os.path.exists(os.path.join(ROOT, ".venv-mindspeed", ".oracle-ready"))
+
+
 def script(name: str, *args: str, env: dict | None = None, tag: str) -> tuple[dict, str]:
     """(the JSON the script printed after ``tag``, its stderr); fails with the script's output."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("ORACLE_", "TORCH_NPU_STANDIN"))}

@@ -23,12 +23,13 @@ import rank_capture  # noqa: E402  (tests/swift/rank_capture.py: stdlib only at 
 import run as ms_run  # noqa: E402  (tests/mindspeed/run.py: stdlib only)
 
 PATHS = {"h20": rank_capture.VENV, "910b": ms_run.VENV}
+READY = {"h20": rank_capture.available, "910b": ms_run.available}  # built and marked ready (.ci/install-oracle)
 UNPACKED = {"tp": 2, "sp": True, "dtype": "bf16"}  # the user's TP 2 + SP, bf16 with fp32 main_grad, one unpacked sample
 ACCUMULATED = 96  # micro-batches of the accumulated step: a bf16 main_grad accumulation leaves the band (at 24: 1.6x)
 
 
 def need(path: str) -> None:
-    if not os.path.exists(PATHS[path]):
+    if not READY[path]():
         pytest.skip(f"the {path} path's environment ({os.path.relpath(PATHS[path], ROOT)}) is not built")
 
 

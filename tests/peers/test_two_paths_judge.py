@@ -31,7 +31,10 @@ import pytest
 LAYERS = 4  # tests/swift/tiny.py's decoder depth: backward call K of a per-layer op is layer LAYERS - 1 - K
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not all((ROOT / v).exists() for v in (".venv-swift", ".venv-mindspeed")),
+import rank_capture  # noqa: E402  (tests/swift/rank_capture.py, on sys.path by tests/peers/conftest.py)
+import run as ms_run  # noqa: E402  (tests/mindspeed/run.py, likewise)
+
+pytestmark = pytest.mark.skipif(not (rank_capture.available() and ms_run.available()),
                                 reason="the pinned ms-swift (.venv-swift) or MindSpeed (.venv-mindspeed) env is not built")
 
 

@@ -41,7 +41,7 @@ _spec = importlib.util.spec_from_file_location("standin_faults", ROOT / "tests" 
 faults = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(faults)
 
-ENVS = {"H20": (rank_capture.VENV, "bash .ci/swift-env"), "910B": (ms_run.VENV, "bash .ci/mindspeed-env")}
+ENVS = {"H20": (rank_capture, "bash .ci/swift-env"), "910B": (ms_run, "bash .ci/mindspeed-env")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: Float16Module, fp32 main_grad")
     ap.add_argument("--fault", default="", help="a stand-in fault planted in the 910B run, NAME or NAME@K")
     o = ap.parse_args(argv)
-    missing = [f"{name}: {os.path.relpath(venv, ROOT)} (build it: {fix})" for name, (venv, fix) in ENVS.items()
-               if not os.path.exists(venv)]  # fmt: skip
+    missing = [f"{name}: {os.path.relpath(mod.VENV, ROOT)} (build it: {fix})" for name, (mod, fix) in ENVS.items()
+               if not mod.available()]  # fmt: skip
     if missing:
         print("two_paths: the pinned environments are not built: " + "; ".join(missing), file=sys.stderr)
         return 2
