@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mindspeed"))
 import run as ms_run  # noqa: E402  (tests/mindspeed/run.py: stdlib only)
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = ROOT / ".venv-mindspeed" / "bin" / "python"
+VENV = ms_run.VENV  # .venv-mindspeed's interpreter
 
 pytestmark = pytest.mark.skipif(not ms_run.available(), reason="the MindSpeed environment (.venv-mindspeed) is not built")
 
