@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .atomic_file import open_new
+from .plain import plain
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -41,15 +42,16 @@ class RowWriter:
 
     def write(self, block: torch.Tensor) -> None:
         """The next ``block.shape[0]`` rows."""
-        block = block.detach().contiguous().to(self.dtype)
-        if list(block.shape[1:]) != self.shape[1:] or self.rows + block.shape[0] > self.shape[0]:
-            raise ValueError(f"{self.name}: block {tuple(block.shape)} does not continue rows {self.rows} of {self.shape}")
-        data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
-        self._f.write(data)
-        self._sha.update(data)
-        self._value.update(
-            data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
-        )
+        with plain():  # the stored values and their float64 hash, whatever mode is active (plain.py)
+            block = block.detach().contiguous().to(self.dtype)
+            if list(block.shape[1:]) != self.shape[1:] or self.rows + block.shape[0] > self.shape[0]:
+                raise ValueError(f"{self.name}: block {tuple(block.shape)} does not continue rows {self.rows} of {self.shape}")
+            data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
+            self._f.write(data)
+            self._sha.update(data)
+            self._value.update(
+                data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
+            )
         self.rows += block.shape[0]
 
     def close(self) -> dict:

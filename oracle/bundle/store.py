@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from ..errors import BundleError, InputNotFound, OutputError, OutputExists, problem_lines
 from . import atomic
 from .manifest import DTYPES, KINDS, SCHEMA_VERSION, looks_like_bundle, parse_json, read_manifest
+from .plain import plain
 
 __all__ = ["Bundle", "BundleWriter", "KINDS", "check_output", "MANIFEST", "SCHEMA_VERSION", "tensor_sha256", "value_sha256"]
 
@@ -84,12 +85,13 @@ def value_sha256(t: torch.Tensor) -> str:
     ``VALUE_SLICE`` elements at a time, so a 1 GiB bf16 tensor never becomes 4 GiB of float64;
     the bytes hashed are those of the whole upcast tensor, in order.
     """
-    t = t.detach().cpu()
-    canon = torch.float64 if t.is_floating_point() else torch.int64
-    h = hashlib.sha256(json.dumps(list(t.shape)).encode())
-    flat = t.contiguous().reshape(-1)  # a view when already contiguous
-    for i in range(0, flat.numel(), VALUE_SLICE):
-        h.update(_byte_view(flat[i : i + VALUE_SLICE].to(canon)))
+    with plain():  # inside an emulated replay's mode too: the float64 bytes, not the mode's idea of them
+        t = t.detach().cpu()
+        canon = torch.float64 if t.is_floating_point() else torch.int64
+        h = hashlib.sha256(json.dumps(list(t.shape)).encode())
+        flat = t.contiguous().reshape(-1)  # a view when already contiguous
+        for i in range(0, flat.numel(), VALUE_SLICE):
+            h.update(_byte_view(flat[i : i + VALUE_SLICE].to(canon)))
     return h.hexdigest()
 
 

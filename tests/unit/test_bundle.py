@@ -77,3 +77,24 @@ def test_manifest_problems_are_named(tmp_path):
     (p / "manifest.json").write_text("{not json")
     with pytest.raises(BundleError, match="not valid JSON"):
         Bundle(p)
+
+
+def test_value_hashes_are_the_same_inside_an_emulated_replays_mode(tmp_path):
+    """A streamed band member hashes its gradients inside its PrecisionMode (float32 compute), which turned the
+    hash's float64 upcast into float32 and rounded it: the journal then held other hashes than the same values
+    outside the mode. value_sha256 and a row writer's entry are now the same inside any mode as outside."""
+    from oracle.bundle.rows import RowWriter
+    from oracle.precision.mode import PrecisionMode
+
+    x = torch.randn(300, 7).to(torch.bfloat16).float() * 3  # a member's gradient: float32 holding bf16 values
+    y = torch.randn(300, 7) + 1e-3  # and one that is not
+    entries = []
+    for mode in (None, PrecisionMode(torch.float32, torch.bfloat16), PrecisionMode(torch.float32, torch.bfloat16, "amp")):
+        with mode or torch.no_grad():
+            w = RowWriter(tmp_path / f"rows-{len(entries)}.bin", "g", list(y.shape), torch.float32)
+            w.write(y[:100])
+            w.write(y[100:])
+            entries.append((value_sha256(x), value_sha256(y), w.close()))
+    assert entries[0][0] == value_sha256(x.double()) and entries[0][2]["value_sha256"] == value_sha256(y)
+    assert entries[1] == entries[0] and entries[2] == entries[0]
+    assert (tmp_path / "rows-0.bin").read_bytes() == (tmp_path / "rows-1.bin").read_bytes()
