@@ -51,6 +51,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import rounding
+
 LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 _aten = torch.ops.aten
@@ -98,6 +100,11 @@ _PASSTHROUGH = {
     _aten.set_.source_Tensor,
 }  # fmt: skip
 
+
+# Ops that return their input's values in another shape, sharing its storage, without being views to autograd
+# (a linear's 3-D output is its 2-D GEMM result through _unsafe_view): the general path took their result for
+# a new value and rounded it into a new tensor (an allocation and a pass per linear layer's output).
+_SAME_VALUES = {_aten._unsafe_view.default}
 
 _DTYPE_GET = torch.Tensor.dtype.__get__
 
@@ -334,6 +341,17 @@ class PrecisionMode(TorchDispatchMode):
 
         book[key] = (weakref.ref(x, forget), x._version)
 
+    def held_in_format(self, x: torch.Tensor, stored: str | torch.dtype) -> torch.Tensor:
+        """``x``, a weight upcast from values stored as ``stored``: where those are the emulated format's own
+        (bf16 stored, a bf16 member), ``x`` holds only the format's values and is recorded as rounded, so no op
+        rounds it again (a weight used as an operand was rounded into a new tensor at every use, forward,
+        recomputation and backward; as a transposed view eagerly, into two). The same bits: rounding a value
+        of the format gives it back, and a jittered member draws nothing for it (``_round_values``)."""
+        same = str(stored).removeprefix("torch.") == str(self.round_to).removeprefix("torch.")
+        if same and self.round_to != self.compute:
+            self._record_rounded(x)
+        return x
+
     def _round(self, x: Any, fresh: bool = False) -> Any:
         """``x`` rounded to the emulated format (jittered in a member), as a new tensor; in place where
         ``fresh`` (an op's own result, aliasing no input) and the tensor is large (see _BLOCK)."""
@@ -347,7 +365,8 @@ class PrecisionMode(TorchDispatchMode):
         n = x.numel()
         if not x.is_contiguous():
             out = self._round_values(x)
-        elif n < _BLOCK:  # an op's own result in place (``fresh``): a new tensor was a fresh mapping to fault in
+        elif n < _BLOCK or (self._gen is None and rounding.usable(x, self.round_to)):  # (a compiled pass: no blocks)
+            # an op's own result in place (``fresh``): a new tensor was a fresh mapping to fault in
             out = self._round_values(x, out=x if fresh else None)
         else:
             out = x if fresh else torch.empty_like(x)
@@ -361,7 +380,10 @@ class PrecisionMode(TorchDispatchMode):
     def _round_values(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` rounded to the format (jittered in a member), into ``out`` where given (``x``'s shape,
         contiguous; ``x`` itself allowed), else as a new tensor."""
+        fast = rounding.usable(x, self.round_to)  # one compiled pass (precision/rounding.py): the same bits
         if self._gen is None:
+            if fast:
+                return rounding.nearest(x, torch.empty_like(x) if out is None else out)
             r = self._narrowed(x)
             return r.to(self.compute) if out is None else out.copy_(r)
         if self.round_to == self.compute:  # fp32 computed in float32: the move is a whole ulp (2^-23), so 1 + u
@@ -379,6 +401,8 @@ class PrecisionMode(TorchDispatchMode):
         # exactly is never moved (x = m 2^(e-p), |x u| <= m 2^(e-2p-2) < half its ulp; at m = 2^p the
         # step below is half as wide and x u reaches at most that tie, which rounds back to x, the even
         # one), so integers, positions and masks stay exact without a mask.
+        if fast:
+            return rounding.jittered(x, self._factors(x.shape), torch.empty_like(x) if out is None else out)
         moved = torch.mul(x, self._factors(x.shape), out=out) if out is not None else x * self._factors(x.shape)
         return moved.copy_(self._narrowed(moved))
 
@@ -398,6 +422,8 @@ class PrecisionMode(TorchDispatchMode):
         """Every value of ``x`` (float32) already one of the format's: for bf16 its low 16 bits are zero
         (read as int16 halves, one strided pass: 0.3x the time of comparing with a rounded copy), its
         dimensions taken densest last (a transposed weight is read as it is stored)."""
+        if rounding.usable(x, self.round_to):  # the kernel: contiguous, stops at the first block that is not
+            return rounding.in_format(x)
         if self.round_to == torch.bfloat16 and x.dtype == torch.float32 and sys.byteorder == "little" and x.dim() > 0:
             x = x.permute(*sorted(range(x.dim()), key=lambda d: (x.stride(d) == 1, -x.stride(d))))
             if x.stride(-1) == 1:
@@ -496,6 +522,10 @@ class PrecisionMode(TorchDispatchMode):
             out = tree_map(self._round, tree_map(self._promote, func(*args, **kwargs)))
             return tree_map(self.mark_low, out)
         amp = self.round_to is not None and self.ops == "amp"
+        if func in _SAME_VALUES and self.round_to != self.compute and self._holds_rounded(args[0]):
+            out = func(*args, **kwargs)  # the input's values, rounded already: recorded, not copied and rounded again
+            self._record_rounded(out)
+            return self.mark_low(out) if amp and self._is_low(args[0]) else out
         if amp and func.is_view:
             out = func(*args, **kwargs)
             return tree_map(self.mark_low, out) if self._is_low(args[0]) else out
@@ -543,6 +573,14 @@ class PrecisionMode(TorchDispatchMode):
             return tuple(o if i in keep[1] else self.mark_low(self._round(o)) for i, o in enumerate(out))
         out = tree_map(lambda o: self._round(o, fresh=_fresh(o, held)), out)
         return tree_map(self.mark_low, out) if amp else out
+
+
+def emulation_record(compute: torch.dtype, round_to: torch.dtype | None, ops: str) -> dict[str, Any]:
+    """What an emulated replay writes into its manifest (``emulation``): the formats, the ops rounded, the
+    members' jitter, and how the rounding ran (precision/rounding.py: the same bits either way)."""
+    return {"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."), "ops": ops,
+            "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept",
+            "rounding": "{path}: {why}".format(**rounding.state())}  # fmt: skip
 
 
 # -- one fused kernel of the emulated device ----------------------------------------------------

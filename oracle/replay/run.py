@@ -34,7 +34,7 @@ from ..capture.api import versions
 from ..capture.steps import build_model
 from ..errors import BundleError, NotReplayable, UsageError
 from ..parallel import distributed, tensor_parallel
-from ..precision.mode import PrecisionMode
+from ..precision.mode import PrecisionMode, emulation_record
 from . import fused
 from .certify import finite_difference_certificate
 from .inputs import check_inputs
@@ -60,6 +60,8 @@ def run_step(
     )
     inputs = load_inputs(cap, compute)
     mode = PrecisionMode(compute, round_to, ops, jitter_seed=jitter_seed, device_type=cap.capture_device())
+    for n, p in model.named_parameters():  # a weight stored in a member's format is not rounded again at each use
+        mode.held_in_format(p, cap.entry("weights", n)["dtype"])
     use_replay_attention(model, round_to)
     fused_path = use_fused(model, recipe, round_to)
     if instrument is not None:
@@ -255,12 +257,7 @@ def replay(
         w.manifest.update(
             loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses},
             members=ensemble,
-            emulation={
-                "compute": str(compute).removeprefix("torch."),
-                "round_to": str(round_to).removeprefix("torch."),
-                "ops": ops,
-                "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept",
-            },  # fmt: skip
+            emulation=emulation_record(compute, round_to, ops),
             seconds=round(time.perf_counter() - t0, 3),
         )
     _settle(cap, Path(out), dtype, ensemble)

@@ -16,6 +16,7 @@ OTHER_TOOLS = {
     "--no-index": "pip", "--no-deps": "pip", "--nproc-per-node": "torchrun", "--nnodes": "torchrun",
     "--data_seed": "swift megatron sft", "--use_hf": "swift megatron sft",
     "--calculate-per-token-loss": "Megatron-LM", "--layers": "benchmarks/bound_calibration.py",
+    "--version": "cc (oracle/precision/rounding.py asks the compiler its version for its cache key)",
 }  # fmt: skip
 
 

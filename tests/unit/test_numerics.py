@@ -222,3 +222,44 @@ def test_a_fresh_result_is_rounded_in_place_and_an_operand_into_a_new_tensor(see
     assert torch.equal(ry, y.to(torch.bfloat16).float()) and torch.equal(rx, x.to(torch.bfloat16).float())
     f32 = m.PrecisionMode(torch.float32, torch.float32)._round(y)
     assert torch.equal(f32, y) and f32.data_ptr() == y.data_ptr()
+
+
+@pytest.mark.parametrize("seed", [None, 9])
+def test_a_weight_stored_in_the_members_format_is_not_rounded_again_at_each_use(seed):
+    """A bf16-stored weight (held_in_format) used by linear layers, forward and backward: the mode rounds it
+    nowhere, its transposed view included, and every result is bitwise what rounding it at each use gave; a
+    weight stored in float32 is still rounded. A linear's 3-D output (_unsafe_view of its GEMM result) is
+    recorded, not copied and rounded again."""
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(384, 256, generator=g).to(torch.bfloat16).float()
+    x0 = torch.randn(2, 200, 256, generator=g)
+
+    def run(stored: str):
+        w = torch.nn.Parameter(w0.clone())
+        x = x0.clone().requires_grad_(True)
+        mode = m.PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=seed)
+        mode.held_in_format(w, stored)
+        rounded = []  # the memory of every tensor the mode rounds
+        real = mode._round_values
+        mode._round_values = lambda t, out=None: rounded.append(t.data_ptr()) or real(t, out)
+        with mode:
+            y = torch.nn.functional.linear(x, w)
+            (y * y).sum().backward()
+        return y, x.grad, w.grad, rounded.count(w.data_ptr()), rounded.count(y.data_ptr())
+
+    y1, gx1, gw1, weight1, out1 = run("bfloat16")
+    y2, gx2, gw2, weight2, _ = run("float32")  # as before: the weight rounded at every use
+    assert torch.equal(y1, y2) and torch.equal(gx1, gx2) and torch.equal(gw1, gw2)
+    assert weight1 == 0 and weight2 >= 2  # the weight and its transposed view: never rounded / at each use
+    assert out1 == 1  # the GEMM's result in place; its 3-D reshape recorded, not rounded a second time
+
+
+def test_a_values_reshape_of_a_tensor_written_in_place_is_rounded_again():
+    """_unsafe_view's record holds only while the input is the same: a reshape of a tensor changed in place
+    is rounded as before (the version counter moved)."""
+    mode = m.PrecisionMode(torch.float32, torch.bfloat16)
+    with mode:
+        a = torch.randn(64, 1024) @ torch.randn(1024, 1024)
+        a.mul_(1.0 + 2**-12)  # in place: rounded again by the mode
+        b = torch.ops.aten._unsafe_view(a, (64, 32, 32))
+    assert torch.equal(b.reshape(64, 1024), b.reshape(64, 1024).to(torch.bfloat16).float())

@@ -22,7 +22,7 @@ from ...bundle.atomic_file import write_file
 from ...bundle.store import Bundle, BundleWriter
 from ...errors import BundleError, RecipeError, UsageError
 from ...parallel import distributed
-from ...precision.mode import PrecisionMode
+from ...precision.mode import PrecisionMode, emulation_record
 from .. import fused, token_split
 from . import budget as budgets
 from . import partials
@@ -155,9 +155,8 @@ def replay_streamed(cap: Bundle, out: Path, *, dtype: str, ensemble: int, budget
         else:
             w.manifest.update(
                 loss={**(cap.get("loss") or {}), "value": losses[0], "members": losses}, members=ensemble,
-                emulation={"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."),
-                           "ops": ops, "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept"},
-            )  # fmt: skip
+                emulation=emulation_record(compute, round_to, ops),
+            )
         for member in members:
             for rec in read_journal(work / member, "unit"):
                 if not workdir.FILE_NAME.fullmatch(str(rec.get("file"))):  # never a path out of the folder

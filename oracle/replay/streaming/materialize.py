@@ -26,7 +26,7 @@ from torch import nn
 
 from ...bundle.store import Bundle
 from ...capture.steps import META
-from ...precision.mode import PrecisionMode
+from ...precision.mode import PrecisionMode, emulating
 
 
 def skeleton(recipe, config: dict[str, Any], dtype: torch.dtype, mode: PrecisionMode | None = None) -> nn.Module:
@@ -49,6 +49,10 @@ class Weights:
     def load(self, name: str) -> torch.Tensor:
         return self.bundle.load("weights", name).to(self.dtype)
 
+    def stored(self, name: str) -> str:
+        """The dtype the capture stored ``name`` in (``bfloat16``, ``float32``, ...)."""
+        return self.bundle.entry("weights", name)["dtype"]
+
     def nbytes(self, name: str) -> int:
         """Bytes of the parameter once upcast to the replay's dtype."""
         e = self.bundle.entry("weights", name)
@@ -68,6 +72,7 @@ def _owners(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
 def materialize(module: nn.Module, prefix: str, weights: Weights, *, requires_grad: bool = True) -> None:
     """Every meta parameter under ``module`` (named ``prefix + local name``) loaded from ``weights``."""
     names = {id(m): n for n, m in module.named_modules()}
+    mode = emulating()  # a member: a weight stored in its format is recorded as rounded (PrecisionMode.held_in_format)
     for m, k in _owners(module):
         p = m._parameters[k]
         if p.device != META:
@@ -77,6 +82,8 @@ def materialize(module: nn.Module, prefix: str, weights: Weights, *, requires_gr
         if tuple(t.shape) != tuple(p.shape):
             raise RuntimeError(f"{prefix}{local}: captured {tuple(t.shape)}, model {tuple(p.shape)}")  # checked at load
         m._parameters[k] = nn.Parameter(t, requires_grad=requires_grad)
+        if mode is not None:
+            mode.held_in_format(m._parameters[k], weights.stored(f"{prefix}{local}" if prefix else local))
 
 
 def evict(module: nn.Module) -> None:
