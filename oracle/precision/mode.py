@@ -580,7 +580,7 @@ def emulation_record(compute: torch.dtype, round_to: torch.dtype | None, ops: st
     members' jitter, and how the rounding ran (precision/rounding.py: the same bits either way)."""
     return {"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."), "ops": ops,
             "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept",
-            "rounding": "{path}: {why}".format(**rounding.state())}  # fmt: skip
+            "rounding": rounding.describe(round_to)}  # fmt: skip
 
 
 # -- one fused kernel of the emulated device ----------------------------------------------------

@@ -124,8 +124,15 @@ _state: dict = {"path": "eager", "why": f"nothing rounded yet at or above {MIN_E
 
 
 def state() -> dict:
-    """What the rounding ran as: ``{"path": "c-kernel" | "eager", "why": ...}``."""
+    """What the rounding ran as in this process: ``{"path": "c-kernel" | "eager", "why": ...}``."""
     return dict(_state)
+
+
+def describe(fmt: torch.dtype | None) -> str:
+    """How a replay rounding to ``fmt`` rounded, for its manifest: the kernel's state for bfloat16, else eager."""
+    if fmt != torch.bfloat16:
+        return f"eager: the kernel rounds to bfloat16 only, not {str(fmt).removeprefix('torch.')}"
+    return "{path}: {why}".format(**_state)
 
 
 def _cpu_flags() -> str:

@@ -109,6 +109,16 @@ def test_the_mode_rounds_the_same_bits_with_the_kernel_as_eagerly(monkeypatch, s
         assert torch.equal(_bits(k), _bits(e))
 
 
+def test_a_replay_of_another_format_does_not_claim_the_kernel():
+    """The manifest's rounding line of an fp32 or fp16 member says eager, whatever a bf16 band of the same process
+    ran (the kernel rounds to bfloat16 only)."""
+    rounding.usable(torch.zeros(rounding.MIN_ELEMENTS), torch.bfloat16)  # the kernel loaded in this process
+    assert rounding.describe(torch.bfloat16).startswith("c-kernel: ")
+    for fmt in (torch.float32, torch.float16):
+        assert rounding.describe(fmt).startswith("eager: the kernel rounds to bfloat16 only")
+        assert not rounding.usable(torch.zeros(rounding.MIN_ELEMENTS), fmt)
+
+
 def test_a_failed_build_keeps_the_eager_path_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no library built yet
     monkeypatch.setenv("CC", "false")
