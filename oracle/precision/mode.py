@@ -365,7 +365,7 @@ class PrecisionMode(TorchDispatchMode):
         n = x.numel()
         if not x.is_contiguous():
             out = self._round_values(x)
-        elif n < _BLOCK or (self._gen is None and rounding.usable(x, self.round_to)):  # (a compiled pass: no blocks)
+        elif n < _BLOCK or (self._gen is None and rounding.usable(x, self.round_to)):  # (the kernel: no blocks)
             # an op's own result in place (``fresh``): a new tensor was a fresh mapping to fault in
             out = self._round_values(x, out=x if fresh else None)
         else:
@@ -380,7 +380,7 @@ class PrecisionMode(TorchDispatchMode):
     def _round_values(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` rounded to the format (jittered in a member), into ``out`` where given (``x``'s shape,
         contiguous; ``x`` itself allowed), else as a new tensor."""
-        fast = rounding.usable(x, self.round_to)  # one compiled pass (precision/rounding.py): the same bits
+        fast = rounding.usable(x, self.round_to)  # the C kernel's one pass (precision/rounding.py): the same bits
         if self._gen is None:
             if fast:
                 return rounding.nearest(x, torch.empty_like(x) if out is None else out)
