@@ -27,7 +27,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16"
 class RowWriter:
     def __init__(self, path: str | os.PathLike, name: str, shape: list[int], dtype: torch.dtype):
         self.path, self.name, self.shape, self.dtype = Path(path), name, [int(s) for s in shape], dtype
-        self.item = torch.empty((), dtype=dtype).element_size()
+        self.item = dtype.itemsize  # (no tensor made: this can run inside a replay's dispatch mode)
         self.row_elems = 1
         for s in self.shape[1:]:
             self.row_elems *= s

@@ -26,7 +26,7 @@ def entry_numel(e: Mapping[str, Any]) -> int:
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a manifest dtype name (``float32``, ``bfloat16``, ``int64``, ...)."""
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def entry_nbytes(e: Mapping[str, Any]) -> int:

@@ -92,12 +92,15 @@ _FP32_SLOTS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default: ((), (1,)),
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ((5,), ()),
 }
-# Ops that only move or look at data: rounding around them adds nothing.
+# Ops that only move or look at data, or make memory with no values yet: rounding around them adds nothing.
+# An empty tensor's memory is whatever was there: rounding it read that, and a jittered member's "already in
+# the format?" test (no draw if so) then moved its jitter stream by chance (a scalar torch.empty in the
+# streamed head's backward made a band member's gradients differ from run to run; issue 43).
 _PASSTHROUGH = {
     _aten.detach.default, _aten.clone.default, _aten.copy_.default, _aten.empty_like.default,
     _aten.zeros_like.default, _aten.ones_like.default, _aten.lift_fresh.default,
     _aten._local_scalar_dense.default, _aten.new_empty_strided.default, _aten.empty_strided.default,
-    _aten.set_.source_Tensor,
+    _aten.empty.memory_format, _aten.new_empty.default, _aten.empty_permuted.default, _aten.set_.source_Tensor,
 }  # fmt: skip
 
 

@@ -80,6 +80,23 @@ def test_a_jittered_member_draws_nothing_for_an_operand_already_in_the_format():
     assert (moved != plain).any() and ((moved - plain).abs() <= (plain.abs() * 2**-7)).all()  # one ulp at most
 
 
+def test_memory_made_empty_inside_a_jittered_member_is_not_rounded_and_draws_nothing():
+    """torch.empty and its kin hold whatever the memory held: rounding them read garbage, and the "already in
+    the format?" test decided by chance whether the member drew jitter, so its stream (every later
+    gradient) moved from run to run. Planted: garbage that is not in the format, made empty inside the mode."""
+    mode = PrecisionMode(torch.float32, torch.bfloat16, "all", jitter_seed=3)
+    like, read, original = torch.randn(4096), [], mode._round_values
+    mode._round_values = lambda x, out=None: read.append(x.shape) or original(x, out)  # what reads values
+    with mode:
+        state = mode._gen.get_state()
+        made = [torch.empty(()), torch.empty(4096), torch.empty_like(like), like.new_empty(4096),
+                torch.empty_strided((64, 64), (1, 64)), torch.empty_permuted((8, 512), (1, 0))]  # fmt: skip
+        assert read == [] and torch.equal(mode._gen.get_state(), state), "an empty tensor's memory was rounded"
+        moved = like * 1.5  # real values (operand, result) are still read and draw (the checks above can fail)
+    assert read and set(read) == {like.shape} and not torch.equal(mode._gen.get_state(), state) and moved.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in made)
+
+
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
 def test_a_jittered_rounding_never_moves_a_value_the_format_holds(fmt):
     """A member's factors 1 + u are drawn from a pool once; no mask keeps the format's own values: the bound

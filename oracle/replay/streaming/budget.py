@@ -162,7 +162,7 @@ def need(cap, model: nn.Module, recipe, compute: torch.dtype, token_chunk: int |
     n_loss = 0
     if "labels" in tensors:
         n_loss = int((cap.load("inputs", "labels") != -100).sum())
-    size = torch.empty((), dtype=compute).element_size()
+    size = compute.itemsize
     T_all = T
     if ranks > 1:
         from ...parallel.token_parallel import Layout

@@ -181,7 +181,7 @@ def _malloc_for(cap: Bundle, engine: StreamEngine, compute: torch.dtype, budget:
         return user_mmap_mb() or MMAP_MB  # as tame_malloc set it at the start
     T, P = budgets.tensor_counts(cap.manifest["tensors"]["inputs"])
     acts = plans.boundaries(engine.model, engine.units, cap.manifest["recipe"]["config"], rows or T, P,
-                            torch.empty((), dtype=compute).element_size())["activations"]  # fmt: skip
+                            compute.itemsize)["activations"]  # fmt: skip
     mmap_mb = roomy_mmap_mb(budget, fixed + acts, compute)
     tame_malloc(mmap_mb)
     return mmap_mb

@@ -59,7 +59,7 @@ class Weights:
         n = 1
         for s in e["shape"]:
             n *= int(s)
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def _owners(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:

@@ -152,7 +152,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
     check_inputs(cap)  # what the run would refuse first (oracle/replay/inputs.py)
     recipe = recipe_of(cap)
     compute = precisions.emulation(dtype)[0]
-    size = torch.empty((), dtype=compute).element_size()
+    size = compute.itemsize
     model = skeleton(recipe, cap.manifest["recipe"]["config"], compute, PrecisionMode(compute))
     tensors = cap.manifest["tensors"].get("inputs", {})
     T, patches = budgets.tensor_counts(tensors)
