@@ -25,9 +25,8 @@ from ...parallel import distributed
 from ...precision.mode import PrecisionMode, emulation_record
 from .. import fused, token_split
 from . import budget as budgets
-from . import partials
+from . import partials, workdir
 from . import plan as plans
-from . import workdir
 from .engine import MMAP_MB, StreamEngine, max_rss_bytes, roomy_mmap_mb, rss_bytes, tame_malloc, user_mmap_mb, work_dir
 from .journal import JOURNAL as JOURNAL_NAME
 from .journal import read_journal

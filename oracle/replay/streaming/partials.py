@@ -34,9 +34,10 @@ import json
 import os
 import shutil
 import struct
-from pathlib import Path
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
