@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -48,10 +49,15 @@ class RowWriter:
                 raise ValueError(f"{self.name}: block {tuple(block.shape)} does not continue rows {self.rows} of {self.shape}")
             data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
             self._f.write(data)
-            self._sha.update(data)
-            self._value.update(
-                data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
-            )
+            # the two hashes on two threads (hashlib releases the GIL): store.entry_hashes' reasoning
+            worker = threading.Thread(target=self._sha.update, args=(data,), name="oracle-hash", daemon=True)
+            worker.start()
+            try:
+                self._value.update(
+                    data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
+                )
+            finally:
+                worker.join()
         self.rows += block.shape[0]
 
     def close(self) -> dict:

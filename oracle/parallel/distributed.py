@@ -336,12 +336,12 @@ def save_part(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict]:
     """Write ``tensors`` as one safetensors file; return the manifest entries BundleWriter.adopt takes."""
     from safetensors.torch import save_file
 
-    from ..bundle.store import tensor_sha256, value_sha256
+    from ..bundle.store import entry_hashes
 
     clean = {n: t.detach().contiguous() for n, t in tensors.items()}
     save_file(clean, str(path))
-    return {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t),
-                "value_sha256": value_sha256(t)} for n, t in clean.items()}  # fmt: skip
+    return {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), **entry_hashes(t)}
+            for n, t in clean.items()}  # fmt: skip
 
 
 def send_parts(tag: str, meta: dict, files: list[Path] = (), dst: int = 0) -> None:  # type: ignore[assignment]

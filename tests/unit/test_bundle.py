@@ -79,6 +79,35 @@ def test_manifest_problems_are_named(tmp_path):
         Bundle(p)
 
 
+def test_entry_hashes_on_two_threads_are_the_one_thread_hashes(monkeypatch):
+    """store.entry_hashes hashes a large tensor's stored bytes on a second thread while it hashes the values:
+    the digests must be those of tensor_sha256 / value_sha256 one after the other, for every stored dtype, a
+    non-contiguous tensor, and inside a band member's mode; a failure on the helper thread reaches the caller
+    (no hang)."""
+    import oracle.bundle.store as store
+    from oracle.bundle.store import entry_hashes, tensor_sha256
+    from oracle.precision.mode import PrecisionMode
+
+    monkeypatch.setattr(store, "PARALLEL_HASH_MIN", 1024)  # small tensors take the threaded path too
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(700, 33, generator=g, dtype=torch.float64), torch.randn(500, 41, generator=g),
+             torch.randn(900, 17, generator=g).to(torch.bfloat16), torch.randint(0, 9, (4000,), generator=g),
+             torch.randn(64, 90, generator=g, dtype=torch.float64).t(), torch.randn(3)]  # fmt: skip
+    for t in cases:
+        want = {"sha256": tensor_sha256(t.contiguous()), "value_sha256": value_sha256(t)}
+        assert entry_hashes(t) == want, t.dtype
+        with PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=5):
+            assert entry_hashes(t) == want, f"{t.dtype} inside a jittered member's mode"
+    assert entry_hashes(cases[0])["sha256"] != entry_hashes(cases[0] + 1)["sha256"]
+
+    def broken(t):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(store, "_byte_view", broken)  # the helper thread's every slice
+    with pytest.raises(OSError, match="disk gone"):
+        entry_hashes(cases[0])
+
+
 def test_value_hashes_are_the_same_inside_an_emulated_replays_mode(tmp_path):
     """A streamed band member hashes its gradients inside its PrecisionMode (float32 compute), which turned the
     hash's float64 upcast into float32 and rounded it: the journal then held other hashes than the same values

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...bundle.atomic_file import fresh, open_new
-from ...bundle.store import tensor_sha256, value_sha256
+from ...bundle.store import entry_hashes, tensor_sha256
 from ...precision.mode import as_stored
 from . import workdir
 
@@ -137,7 +137,7 @@ class Journal:
         for n, g in grads.items():
             g = g.detach().contiguous()
             entries[n] = {"dtype": str(g.dtype).removeprefix("torch."), "shape": list(g.shape),
-                          "sha256": tensor_sha256(g), "value_sha256": value_sha256(g)}  # fmt: skip
+                          **entry_hashes(g)}  # fmt: skip
         self._save(grads, self.dir / f)
         rec = {
             "kind": "unit",
