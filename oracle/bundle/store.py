@@ -108,8 +108,8 @@ def entry_hashes(t: torch.Tensor) -> dict[str, str]:
     ``PARALLEL_HASH_MIN`` bytes a helper thread upcasts each slice (at most 2 ahead) and hashes its
     stored bytes while this thread hashes the upcast values as they come: the same digests (one sha256 over the
     same bytes in the same order), the wall time of the longer of the two where a core is free
-    (benchmarks/hashing.py: 0.5x for float64, about 0.55x for float32). A new thread per tensor (no pool)
-    leaves a forked child no pool whose thread it lacks."""
+    (benchmarks/hashing.py: 0.49x for float64, 0.61x for float32), holding at most 4 upcast slices (128 MiB)
+    where value_sha256 holds one. A new thread per tensor (no pool) leaves a forked child no pool whose thread it lacks."""
     with plain():
         t = t.detach().cpu().contiguous()
     if t.numel() * t.element_size() < PARALLEL_HASH_MIN:
