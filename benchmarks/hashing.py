@@ -1,5 +1,6 @@
 """A gradient's two manifest hashes: on one thread one after the other, against ``store.entry_hashes``
-(the stored bytes' sha256 on a second thread while this one upcasts and hashes the values), side by side.
+(a helper thread upcasts each slice and hashes its stored bytes while this one hashes the upcast values), side
+by side.
 
     python benchmarks/hashing.py [--mib 512] [--rounds 5]
 
@@ -7,8 +8,8 @@ Every gradient a replay writes gets both hashes (oracle/bundle/store.py): a floa
 twice, a float32 band member its bytes and then the float64 upcast (twice as many bytes). Printed per dtype
 (float64: the truth's; float32: a member's): the best of ``--rounds`` of each way, taken in turn (the machine
 is shared: the ratio is the result, not the times), their ratio, and that the digests agree. On 2 cores the
-threaded way can reach about 0.5x for float64 (two equal halves) and about 0.67x for float32 (the value
-hash is two thirds of the bytes), where the second core is free.
+threaded way can reach about 0.5x for float64 (two equal halves) and a little over 0.5x for float32 (the
+value hash, two thirds of the bytes, against the upcast and the stored bytes' hash), where the second core is free.
 """
 
 from __future__ import annotations

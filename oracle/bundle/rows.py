@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import store
 from .atomic_file import open_new
 from .plain import plain
 
@@ -49,15 +50,20 @@ class RowWriter:
                 raise ValueError(f"{self.name}: block {tuple(block.shape)} does not continue rows {self.rows} of {self.shape}")
             data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
             self._f.write(data)
-            # the two hashes on two threads (hashlib releases the GIL): store.entry_hashes' reasoning
-            worker = threading.Thread(target=self._sha.update, args=(data,), name="oracle-hash", daemon=True)
-            worker.start()
+            # from store.PARALLEL_HASH_MIN bytes the two hashes run on two threads (store.entry_hashes' reasoning)
+            worker = None
+            if len(data) >= store.PARALLEL_HASH_MIN:
+                worker = threading.Thread(target=self._sha.update, args=(data,), name="oracle-hash", daemon=True)
+                worker.start()
+            else:
+                self._sha.update(data)
             try:
                 self._value.update(
                     data if self.dtype == torch.float64 else memoryview(block.double().reshape(-1).view(torch.uint8).numpy())
                 )
             finally:
-                worker.join()
+                if worker is not None:
+                    worker.join()
         self.rows += block.shape[0]
 
     def close(self) -> dict:

@@ -79,8 +79,8 @@ def test_manifest_problems_are_named(tmp_path):
         Bundle(p)
 
 
-def test_entry_hashes_on_two_threads_are_the_one_thread_hashes(monkeypatch):
-    """store.entry_hashes hashes a large tensor's stored bytes on a second thread while it hashes the values:
+def test_entry_hashes_on_two_threads_are_the_one_thread_hashes(monkeypatch, tmp_path):
+    """store.entry_hashes (and a RowWriter) hash a large tensor's stored bytes on a second thread beside its values:
     the digests must be those of tensor_sha256 / value_sha256 one after the other, for every stored dtype, a
     non-contiguous tensor, and inside a band member's mode; a failure on the helper thread reaches the caller
     (no hang)."""
@@ -99,6 +99,14 @@ def test_entry_hashes_on_two_threads_are_the_one_thread_hashes(monkeypatch):
         with PrecisionMode(torch.float32, torch.bfloat16, jitter_seed=5):
             assert entry_hashes(t) == want, f"{t.dtype} inside a jittered member's mode"
     assert entry_hashes(cases[0])["sha256"] != entry_hashes(cases[0] + 1)["sha256"]
+    from oracle.bundle.rows import RowWriter  # the row writer's two streams on two threads: the same entry
+
+    for k, t in enumerate(cases[:3]):
+        w = RowWriter(tmp_path / f"rows-{k}.bin", "g", list(t.shape), t.dtype)
+        for rows in t.split(200):
+            w.write(rows)
+        got = w.close()
+        assert {n: got[n] for n in ("sha256", "value_sha256")} == entry_hashes(t), t.dtype
 
     def broken(t):
         raise OSError("disk gone")
