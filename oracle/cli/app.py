@@ -127,7 +127,7 @@ def judge(
     members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
     margin: Margin = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose batch (all its micro-batches) is the step.")] = None,
-    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
+    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`): the bands by members, a streamed truth by tokens.")] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
     num_layers: Annotated[int | None, typer.Option(help="The logs alone: the model's decoder layers for the round-off bound (default: as many as the logs name).")] = None,

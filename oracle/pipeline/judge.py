@@ -290,6 +290,7 @@ class Judge:
         self.out, self.recipe, self.logs = Path(out), recipe, [Path(lg) for lg in logs]
         self.max_memory, self.ensemble, self.members, self.margin = max_memory, ensemble, members, margin
         self.nproc, self.threads, self.dp_rank, self.echo = nproc, threads, dp_rank, echo
+        self.split = "tensor"  # how the float64 truth shares --nproc ranks (truth_split), set when the run starts
         self.layouts: list[dict[str, Any]] = []  # per-rank judgements the merged captures need (rank_layouts)
         from ..replay.streaming.engine import parse_size
 
@@ -310,10 +311,11 @@ class Judge:
         """A stage's replay into ``out`` inside the judge's own folder: its streamed work folder, if one of ours
         is left there for other inputs (a killed run before a capture changed), is the judge's to replace
         (``replace_work="any-ours"``, a narrower power than a user's --overwrite: streaming/workdir.py)."""
-        tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
-        if self.nproc > 1 and tp_ok:
+        split = self.split if dtype == "fp64" else "tensor"
+        ranked = dtype != "fp64" or self.budget is None or split == "tokens"  # the TP float64 replay runs in memory
+        if self.nproc > 1 and ranked:
             opts = ReplayOptions(capture=cap, out=out, dtype=dtype, ensemble=ensemble, max_memory=self.max_memory,
-                                 nproc=self.nproc, threads=self.threads, overwrite=True, replace_work="any-ours")  # fmt: skip
+                                 nproc=self.nproc, threads=self.threads, split=split, overwrite=True, replace_work="any-ours")  # fmt: skip
             _ranks(opts, f"replay {dtype}", self._echo)
             return
         from ..replay.run import replay
@@ -321,6 +323,22 @@ class Judge:
         self._threads()
         replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
                verify="auto" if self.budget is None else "off", replace_work="any-ours")  # fmt: skip
+
+    def truth_split(self, cap: Bundle) -> str:
+        """How the float64 truth shares --nproc ranks: in memory by tensors (heads, MLP columns: exact, one
+        process's memory per rank); streamed (--max-memory) by tokens, each rank its rows within the budget
+        and rank 0 adding the partial gradients (replay/token_split.py) -- what the dry run prices over
+        hosts. A streamed step the token split refuses (video, a multimodal batch above 1, too few tokens:
+        ``token_split.refusal``) runs in one process, and the progress says why ("tensor" here)."""
+        if self.nproc == 1 or self.budget is None:
+            return "tensor"
+        from ..replay.token_split import refusal
+
+        why = refusal({n: tuple(e["shape"]) for n, e in cap.manifest["tensors"].get("inputs", {}).items()}, self.nproc)
+        if why:
+            self._echo(f"  the streamed truth runs in one process, not split by tokens over {self.nproc} ranks: {why}")
+            return "tensor"
+        return "tokens"
 
     def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
         if self.nproc > 1:
@@ -584,8 +602,11 @@ class Judge:
             raise UsageError("oracle judge: " + "; ".join(refused) + " (oracle judge ... --dry-run shows every stage)")
         progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
         budget = {"max_memory": self.budget}
-        truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),
-                          {**budget, "threads": self.threads, "nproc": self.nproc}, [caps_p[src]],
+        self.split = self.truth_split(caps[src])
+        by_tokens = {"split": "tokens"} if self.split == "tokens" else {}  # (a truth of one process or TP keeps its earlier params)
+        truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else "")
+                          + (f", split by tokens over {self.nproc} ranks" if by_tokens else ""),
+                          {**budget, "threads": self.threads, "nproc": self.nproc, **by_tokens}, [caps_p[src]],
                           lambda out, ow: self._replay(caps_p[src], out, ow, "fp64"))  # fmt: skip
         bands = []
         for prec in self.precisions(caps):
