@@ -603,7 +603,8 @@ class Judge:
         progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
         budget = {"max_memory": self.budget}
         self.split = self.truth_split(caps[src])
-        by_tokens = {"split": "tokens"} if self.split == "tokens" else {}  # (a truth of one process or TP keeps its earlier params)
+        # a truth of one process or tensor-parallel keeps its earlier params (no redone stage)
+        by_tokens = {"split": "tokens"} if self.split == "tokens" else {}
         truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else "")
                           + (f", split by tokens over {self.nproc} ranks" if by_tokens else ""),
                           {**budget, "threads": self.threads, "nproc": self.nproc, **by_tokens}, [caps_p[src]],
