@@ -35,15 +35,20 @@ class JudgeOptions:
     threads: int | None = None
     dry_run: bool = False
     num_layers: int | None = None  #: the logs alone: the model's decoder layers for the round-off bound
+    truth: str | None = None  #: the float64 truth replayed elsewhere (torchrun over hosts), checked to be this step's
+    bands: tuple[str, ...] = ()  #: noise bands replayed elsewhere, one per precision, checked likewise
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs", tuple(os.fspath(r) for r in self.runs or ()))
         object.__setattr__(self, "names", tuple(self.names) if self.names else None)
-        for f in ("out", "log_a", "log_b"):
+        for f in ("out", "log_a", "log_b", "truth"):
             object.__setattr__(self, f, _str(getattr(self, f)))
+        object.__setattr__(self, "bands", tuple(os.fspath(b) for b in self.bands or ()))
         if not self.runs:
             if not (self.log_a and self.log_b):
                 raise UsageError("give the two runs' capture folders, or --log-a and --log-b (the logs alone)")
+            if self.truth or self.bands:
+                raise UsageError("--truth and --band are replays of the runs' step: give the two runs' capture folders with them")
             return
         from ..pipeline.judge import resolve_run
 
@@ -73,7 +78,7 @@ def judge(opts: JudgeOptions, echo: Echo = print, progress: Echo | None = None) 
     j = Judge(opts.runs[0], opts.runs[1], out=opts.out or ".", recipe=opts.recipe, names=list(opts.names or []) or None,
               logs=[opts.log_a, opts.log_b] if opts.log_a else [], max_memory=opts.max_memory, ensemble=opts.ensemble,
               members=opts.members, margin=opts.margin, nproc=opts.nproc, threads=opts.threads, dp_rank=opts.dp_rank,
-              echo=progress)  # fmt: skip
+              echo=progress, truth=opts.truth, bands=list(opts.bands))  # fmt: skip
     if opts.dry_run:
         table, refused = j.dry_run()
         echo(table)

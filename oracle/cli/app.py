@@ -127,10 +127,12 @@ def judge(
     members: Annotated[int, typer.Option(min=1, help="Local replay: emulated members per module.")] = 2,
     margin: Margin = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose batch (all its micro-batches) is the step.")] = None,
-    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`): the bands by members, a streamed truth by tokens.")] = 1,
+    nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
     num_layers: Annotated[int | None, typer.Option(help="The logs alone: the model's decoder layers for the round-off bound (default: as many as the logs name).")] = None,
+    truth: Annotated[Path | None, typer.Option("--truth", help="The float64 truth replayed elsewhere (over hosts: torchrun -m oracle replay CAP --out T --split tokens): taken as the truth stage once checked to be this step's.")] = None,
+    band: Annotated[list[Path] | None, typer.Option("--band", help="A noise band replayed elsewhere (torchrun -m oracle replay CAP --out B --dtype P --ensemble K), one per precision; checked likewise.")] = None,
 ) -> None:  # fmt: skip
     """From two runs' capture folders (and their grad-norm logs) to one report: bug or noise, which run, where born, which op. The runs may be left out: with only --log-a and --log-b it answers from the logs alone (what they show, what they cannot, how to capture).
 
@@ -143,7 +145,7 @@ def judge(
 
     opts = JudgeOptions(runs=tuple(runs or ()), out=out, recipe=recipe, names=name, log_a=log_a, log_b=log_b,
                         max_memory=max_memory, ensemble=ensemble, members=members, margin=margin, dp_rank=dp_rank,
-                        nproc=nproc, threads=threads, dry_run=dry_run, num_layers=num_layers)  # fmt: skip
+                        nproc=nproc, threads=threads, dry_run=dry_run, num_layers=num_layers, truth=truth, bands=tuple(band or ()))  # fmt: skip
     api_judge(opts, echo=typer.echo, progress=lambda s: typer.echo(s, err=True))
 
 

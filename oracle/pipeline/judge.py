@@ -85,27 +85,59 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     (building, reading, writing, the score and the report) is kept as measured here: it does not shrink
     with cores, so the figure is conservative there and optimistic only if a server's per-core GEMM rate is
     below this machine's.
-    Over several hosts (--nproc / torchrun) only the truth splits by tokens: its GEMMs over every host's cores
-    at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's share of adding the ranks' partial gradients: ceil(log2 hosts)
-    sets of the truth's ``gradients`` bytes at ``RANK0_SUM_BYTES_PER_S``. A band member runs whole on one host
-    (members are dealt round-robin, replay/run.py): a stage of ``members`` takes ceil(members / hosts) of them
-    one after another on one host's cores. Other stages spread over every core, as the truth's GEMMs."""
+    Over several hosts the replays run under torchrun and are given to the judge (--truth, --band;
+    docs/distributed.md), at the same time on disjoint hosts: ``hosts_plan`` says how many take the band
+    members and what the replays cost then. Other stages spread over every core, as the truth's GEMMs."""
     total = 0.0
     for name, e in est.items():
         if "score_bytes" in e:  # the score's pool on the server's cores (score_seconds), its fixed costs as here
             total += e["seconds"] - score_seconds(e["score_bytes"], e["score_workers"]) + score_seconds(e["score_bytes"], cores)
             continue
+        if hosts > 1 and (name == "truth" or e.get("members")):
+            continue  # hosts_plan below
         gemm = e.get("gemm_seconds", 0.0)
-        core = e.get("gemm_core_seconds", gemm * here)
-        if hosts > 1 and e.get("members"):
-            per_host = -(-e["members"] // hosts)  # ceil: members on the busiest host
-            total += e["seconds"] - gemm + core / e["members"] * per_host / cores
-            continue
         parallel = cores * hosts * (TOKEN_PARALLEL_EFFICIENCY if hosts > 1 else 1.0)
-        total += e["seconds"] - gemm + core / parallel
-        if hosts > 1 and name == "truth":
-            total += (hosts - 1).bit_length() * e.get("gradients", 0) / RANK0_SUM_BYTES_PER_S
+        total += e["seconds"] - gemm + e.get("gemm_core_seconds", gemm * here) / parallel
+    if hosts > 1:
+        total += hosts_plan(est, here, cores, hosts)[0]
     return total
+
+
+def hosts_plan(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int) -> tuple[float, int]:
+    """(seconds, m): the replays of ``est`` over ``hosts`` hosts of ``cores`` cores, the band members on ``m``
+    of them while the truth splits by tokens over the other ``hosts - m`` (m = 0: the truth on every host,
+    then the members), m chosen for the shortest time. The truth on h hosts: its fixed costs as here, its
+    GEMMs over h x cores at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's share of adding the ranks' partial
+    gradients (a binomial tree: ceil(log2 h) sets of its ``gradients`` bytes at ``RANK0_SUM_BYTES_PER_S``).
+    A band member runs whole on one host (torchrun deals a band's members to its ranks round-robin,
+    replay/run.py): its share of its stage's fixed costs plus its GEMMs over one host's cores; the members
+    (of every band) go longest first to the least loaded of their hosts."""
+    truth = est.get("truth")
+    members: list[float] = []
+    for e in est.values():
+        if e.get("members"):
+            k, gemm = e["members"], e.get("gemm_seconds", 0.0)
+            members += [(e["seconds"] - gemm) / k + e.get("gemm_core_seconds", gemm * here) / k / cores] * k
+
+    def truth_on(h: int) -> float:
+        if not truth:
+            return 0.0
+        gemm = truth.get("gemm_seconds", 0.0)
+        core = truth.get("gemm_core_seconds", gemm * here)
+        if h == 1:
+            return truth["seconds"] - gemm + core / cores
+        return (truth["seconds"] - gemm + core / (cores * h * TOKEN_PARALLEL_EFFICIENCY)
+                + (h - 1).bit_length() * truth.get("gradients", 0) / RANK0_SUM_BYTES_PER_S)  # fmt: skip
+
+    def makespan(m: int) -> float:
+        loads = [0.0] * m
+        for t in sorted(members, reverse=True):
+            loads[loads.index(min(loads))] += t
+        return max(loads, default=0.0)
+
+    options = [(truth_on(hosts) + makespan(hosts), 0)]  # one after the other, each on every host
+    options += [(max(truth_on(hosts - m), makespan(m)), m) for m in range(1, hosts if truth else hosts + 1) if members]
+    return min(options)
 
 
 class StageFailed(OracleError):
@@ -249,6 +281,39 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
         raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
 
 
+def given_check(cap: Bundle, dtype: str, members: int = 1) -> Callable[[Path], str | None]:
+    """The check a bundle given for a replay stage (``oracle judge --truth T --band B``) must pass: None where
+    it is what that stage would make, else why not. Over several hosts the replays run there, each with
+    torchrun (the truth ``oracle replay CAP --out T --split tokens``, a band ``oracle replay CAP --out B
+    --dtype P --ensemble K``: members spread over the ranks), then ``oracle judge ... --truth T --band B``
+    on one host takes them and runs the rest. What that stage would make: the kind it makes, replayed in
+    ``dtype`` from this step (the same inputs' and weights' values: ``Bundle.fingerprint``); a band with
+    ``members`` members made by this emulation (``precision.EMULATION``: what an older one computed differs). How it was spread (ranks,
+    threads, streamed or not) is not asked: the float64 truth is the same within 1e-12 either way, a band's
+    members are as honest at any thread count (precision/mode.py: its sums follow the threads)."""
+
+    def check(out: Path) -> str | None:
+        try:
+            b = Bundle(out)
+        except OracleError as e:
+            return f"not a bundle: {str(e).splitlines()[0]}"
+        kind = "oracle" if dtype == "fp64" else "emulation"
+        if b.kind != kind or b.get("precision") != dtype:
+            article = "an" if b.kind[:1] in ("a", "e", "i", "o", "u") else "a"
+            return f"it is {article} {b.kind} bundle in {b.get('precision')}, where this stage makes an {kind} bundle in {dtype}"
+        if b.fingerprint() != cap.fingerprint():
+            return f"replayed from another step (its inputs or weights differ from {cap.path}'s)"
+        if dtype != "fp64":
+            if int(b.get("members", 1)) != members:
+                return f"{b.get('members', 1)} member(s), where this judge's band has {members} (--ensemble)"
+            made = (b.get("emulation") or {}).get("version")
+            if made != EMULATION:
+                return f"made by emulation {made!r}, not this oracle's {EMULATION!r}"
+        return None
+
+    return check
+
+
 def check_complete(caps: list[Bundle], names: list[str]) -> None:
     """A run whose capture manifest leaves unsaid what the verdict needs (``recipe``, ``precision``,
     ``loss``: manifest.missing_fields) cannot be judged: BundleError (exit 4) naming the run and each
@@ -272,7 +337,8 @@ class Judge:
     def __init__(self, run_a: str | Path, run_b: str | Path, *, out: str | Path, recipe: str | None = None,
                  names: list[str] | None = None, logs: list[str | Path] = (), max_memory: str | None = None,
                  ensemble: int = ENSEMBLE, members: int = 2, margin: float | None = None, nproc: int = 1, threads: int | None = None,
-                 dp_rank: int | None = None, echo: Callable[[str], None] | None = None):  # fmt: skip
+                 dp_rank: int | None = None, echo: Callable[[str], None] | None = None, truth: str | Path | None = None,
+                 bands: list[str | Path] = ()):  # fmt: skip
         self.inputs = [resolve_run(run_a, "A"), resolve_run(run_b, "B")]
         if os.path.samefile(self.inputs[0][1], self.inputs[1][1]):
             raise UsageError(f"runs A and B are the same folder ({run_a}): judge compares two runs; give the other run's "
@@ -290,8 +356,12 @@ class Judge:
         self.out, self.recipe, self.logs = Path(out), recipe, [Path(lg) for lg in logs]
         self.max_memory, self.ensemble, self.members, self.margin = max_memory, ensemble, members, margin
         self.nproc, self.threads, self.dp_rank, self.echo = nproc, threads, dp_rank, echo
-        self.split = "tensor"  # how the float64 truth shares --nproc ranks (truth_split), set when the run starts
         self.layouts: list[dict[str, Any]] = []  # per-rank judgements the merged captures need (rank_layouts)
+        # replay stages made elsewhere (torchrun over hosts), checked against the step before any stage (given())
+        self.truth_given, self.bands_given = (Path(truth) if truth else None), [Path(b) for b in bands]
+        for flag, p in [("--truth", self.truth_given)] + [("--band", b) for b in self.bands_given]:
+            if p is not None and not (p / "manifest.json").is_file():
+                raise InputNotFound(f"{flag} {p}: no bundle there (no manifest.json); give the folder `oracle replay --out` wrote")
         from ..replay.streaming.engine import parse_size
 
         self.budget = parse_size(max_memory) if max_memory else None
@@ -311,11 +381,15 @@ class Judge:
         """A stage's replay into ``out`` inside the judge's own folder: its streamed work folder, if one of ours
         is left there for other inputs (a killed run before a capture changed), is the judge's to replace
         (``replace_work="any-ours"``, a narrower power than a user's --overwrite: streaming/workdir.py)."""
-        split = self.split if dtype == "fp64" else "tensor"
-        ranked = dtype != "fp64" or self.budget is None or split == "tokens"  # the TP float64 replay runs in memory
-        if self.nproc > 1 and ranked:
+        # The streamed float64 truth runs in this one process on every core, --nproc or not: split by tokens over
+        # ranks of one host it is slower (the ranks' exchanges and rank 0's sum of their partial gradients): the
+        # hidden-1024 x 4-layer Qwen3 step at 4096 tokens, --max-memory 8G, 2 cores, two pairs: 41.2 / 41.6 s in one
+        # process of 2 threads, 50.2 / 47.5 s split over 2 ranks of 1 thread. Over several hosts the token split is
+        # what uses them: run it there with torchrun and give it to the judge (--truth; given_check()).
+        tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
+        if self.nproc > 1 and tp_ok:
             opts = ReplayOptions(capture=cap, out=out, dtype=dtype, ensemble=ensemble, max_memory=self.max_memory,
-                                 nproc=self.nproc, threads=self.threads, split=split, overwrite=True, replace_work="any-ours")  # fmt: skip
+                                 nproc=self.nproc, threads=self.threads, overwrite=True, replace_work="any-ours")  # fmt: skip
             _ranks(opts, f"replay {dtype}", self._echo)
             return
         from ..replay.run import replay
@@ -324,21 +398,29 @@ class Judge:
         replay(cap, out, dtype=dtype, ensemble=ensemble, overwrite=overwrite, progress=True, max_memory=self.budget,
                verify="auto" if self.budget is None else "off", replace_work="any-ours")  # fmt: skip
 
-    def truth_split(self, cap: Bundle) -> str:
-        """How the float64 truth shares --nproc ranks: in memory by tensors (heads, MLP columns: exact, one
-        process's memory per rank); streamed (--max-memory) by tokens, each rank its rows within the budget
-        and rank 0 adding the partial gradients (replay/token_split.py) -- what the dry run prices over
-        hosts. A streamed step the token split refuses (video, a multimodal batch above 1, too few tokens:
-        ``token_split.refusal``) runs in one process, and the progress says why ("tensor" here)."""
-        if self.nproc == 1 or self.budget is None:
-            return "tensor"
-        from ..replay.token_split import refusal
-
-        why = refusal({n: tuple(e["shape"]) for n, e in cap.manifest["tensors"].get("inputs", {}).items()}, self.nproc)
-        if why:
-            self._echo(f"  the streamed truth runs in one process, not split by tokens over {self.nproc} ranks: {why}")
-            return "tensor"
-        return "tokens"
+    def given(self, cap: Bundle, precs: list[str]) -> dict[str, Path]:
+        """The replay stages given with --truth / --band, by stage name, each checked to be what that stage would
+        make of ``cap`` (``given_check``): a bundle that is not is refused (UsageError, exit 2) before any stage."""
+        out: dict[str, Path] = {}
+        if self.truth_given is not None:
+            why = given_check(cap, "fp64")(self.truth_given)
+            if why:
+                raise UsageError(f"--truth {self.truth_given}: {why}; give the float64 replay of {cap.path} "
+                                 "(oracle replay CAP --out T, --split tokens over hosts) or leave --truth out")  # fmt: skip
+            out["truth"] = self.truth_given
+        for b in self.bands_given:
+            prec = Bundle(b).get("precision")
+            stage = f"band-{prec}"
+            if prec not in precs:
+                raise UsageError(f"--band {b}: a band in {prec}, where this judge's runs need {', '.join(precs) or 'none'}")
+            if stage in out:
+                raise UsageError(f"--band {b}: a second band in {prec} (the first: {out[stage]}); give one per precision")
+            why = given_check(cap, prec, self.ensemble)(b)
+            if why:
+                raise UsageError(f"--band {b}: {why}; give `oracle replay {cap.path} --dtype {prec} --ensemble {self.ensemble}`'s "
+                                 "bundle or leave --band out")  # fmt: skip
+            out[stage] = b
+        return out
 
     def _local(self, cap: Path, out: Path, overwrite: bool) -> None:
         if self.nproc > 1:
@@ -419,9 +501,9 @@ class Judge:
                 out.append(p)
         return out
 
-    def estimates(self, caps: list[Bundle]) -> dict[str, dict[str, float]]:
+    def estimates(self, caps: list[Bundle], given: dict[str, Path] | None = None) -> dict[str, dict[str, float]]:
         """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
-        this machine now (``eta.py``)."""
+        this machine now (``eta.py``); a stage ``given`` (--truth, --band: made elsewhere) costs nothing here."""
         from ..integrations.megatron.merge import memory_need as merge_memory
         from ..replay.streaming.engine import rss_bytes
         from ..replay.streaming.plan import core_rates, gemm_rates, plan
@@ -493,6 +575,8 @@ class Judge:
                 "disk": 0,
             }
         est["report"] = {"seconds": eta.REPORT_PROBES * probe, "flops": 0, "memory": 0, "disk": 1 << 20}
+        for s in given or {}:
+            est[s] = {"seconds": 0.0, "flops": 0, "memory": 0, "disk": 0, "given": str(given[s])}
         return est
 
     @staticmethod
@@ -515,7 +599,8 @@ class Judge:
             src = replayable(caps)
             check_same_step(caps[src], caps[1 - src], self.names[1 - src])
             self.layouts = self.rank_layouts(caps)
-            est = self.estimates(caps)
+            given = self.given(caps[src], self.precisions(caps))
+            est = self.estimates(caps, given)
             order = self.stage_names(self.precisions(caps))
         refused = self.refusals(est)
         over = [s for s in order if est.get(s, {}).get("refusal")]
@@ -526,12 +611,15 @@ class Judge:
                  f"  {'stage':<24} {'time':>10} {'GFLOP':>10} {'peak memory':>12} {'disk':>10}"]  # fmt: skip
         for s in order:
             e = est.get(s, {"seconds": 0, "flops": 0, "memory": 0, "disk": 0})
+            if e.get("given"):
+                lines.append(f"  {s:<24} {'given':>10} {'':>10} {'':>12} {'':>10}  {e['given']}")
+                continue
             lines.append(f"  {s:<24} {duration(e['seconds']):>10} {e['flops'] / 1e9:>10.2f} {_size(e['memory']):>12} {_size(e['disk']):>10}"
                          + ("  ABOVE --max-memory" if e.get("refusal") else ""))  # fmt: skip
         tot = sum(e["seconds"] for e in est.values())
         lines.append(f"  total about {duration(tot)} here; peak memory {_size(max(e['memory'] for e in est.values()))}; "
                      f"disk {_size(sum(e['disk'] for e in est.values()))} (estimates from float64 and float32 GEMM probes and the planner's time on this machine, now)")  # fmt: skip
-        bands = [s for s in order if s.startswith("band-")]
+        bands = [s for s in order if s.startswith("band-") and not est.get(s, {}).get("given")]
         if bands and est.get("truth", {}).get("seconds"):
             t = est["truth"]["seconds"]
             lines.append("  the noise band next to the truth: " + ", ".join(
@@ -545,19 +633,34 @@ class Judge:
                      "CPU time (the times below: a busy machine slows the first, not the second)")  # fmt: skip
         for cores, hosts in ((64, 1), (64, 8)):
             t = elsewhere(est, here, cores, hosts)
-            where = f"on one {cores}-core server" if hosts == 1 else f"on {hosts} hosts of {cores} cores (--nproc / torchrun)"
+            where = f"on one {cores}-core server" if hosts == 1 else (f"on {hosts} hosts of {cores} cores (the replays under torchrun, "
+                                                                      "given to the judge: --truth, --band)")  # fmt: skip
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
-                         + (f" / token-parallel efficiency {TOKEN_PARALLEL_EFFICIENCY} for the truth, each band member on one host's"
-                            f" {cores}, rank 0 adding {(hosts - 1).bit_length()} partial gradient sets" if hosts > 1 else "")
+                         + (self._hosts_split(est, here, cores, hosts) if hosts > 1 else "")
                          + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused
+
+    @staticmethod
+    def _hosts_split(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int) -> str:
+        """How ``hosts_plan`` shares the hosts between the replays, in words for the dry run."""
+        m = hosts_plan(est, here, cores, hosts)[1]
+        k = sum(e.get("members", 0) for e in est.values())
+        truth = (est.get("truth") or {}).get("seconds", 0) > 0  # not given
+        th = hosts - m
+        parts = [f"the truth split by tokens over {th} host(s) at efficiency {TOKEN_PARALLEL_EFFICIENCY}, rank 0 adding "
+                 f"{(th - 1).bit_length()} partial gradient set(s)"] if truth else []  # fmt: skip
+        if k:
+            parts.append(f"{'while ' if m and truth else 'then ' if truth else ''}the {k} band member(s) run whole, one per host at a time, "
+                         f"on {'the other ' if truth and m else ''}{m or hosts} host(s)")  # fmt: skip
+        return ("; " + " ".join(parts)) if parts else ""
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """The stages; a judge stopped before any stage wrote anything (a refusal: another step,
         exit 5) leaves no ``--out`` folder behind that it created. An ``--out`` that is, lies inside or holds a
         run or a log is refused first (exit 6; issue 41: ``--out capB/j`` wrote into run B)."""
-        check_not_input(self.out, [p for _, p in self.inputs] + self.logs)
+        check_not_input(self.out, [p for _, p in self.inputs] + self.logs + ([self.truth_given] if self.truth_given else [])
+                        + self.bands_given)  # fmt: skip
         created = not self.out.exists()
         try:
             return self._run()
@@ -596,24 +699,29 @@ class Judge:
         if self.stage_names(self.precisions(caps)) != order:
             order = self.stage_names(self.precisions(caps))
             progress.total = len(order)
-        progress.estimates = self.estimates(caps)
+        given = self.given(caps[src], self.precisions(caps))
+        progress.estimates = self.estimates(caps, given)
         refused = self.refusals(progress.estimates)
         if refused:  # before any replay: hours of truth are not spent on a judge whose band cannot run
             raise UsageError("oracle judge: " + "; ".join(refused) + " (oracle judge ... --dry-run shows every stage)")
-        progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused}
+        progress.left = {k: v["seconds"] for k, v in progress.estimates.items() if k in order and k not in st.reused and k not in given}
         budget = {"max_memory": self.budget}
-        self.split = self.truth_split(caps[src])
-        # a truth of one process or tensor-parallel keeps its earlier params (no redone stage)
-        by_tokens = {"split": "tokens"} if self.split == "tokens" else {}
-        truth = st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else "")
-                          + (f", split by tokens over {self.nproc} ranks" if by_tokens else ""),
-                          {**budget, "threads": self.threads, "nproc": self.nproc, **by_tokens}, [caps_p[src]],
-                          lambda out, ow: self._replay(caps_p[src], out, ow, "fp64"))  # fmt: skip
+
+        def stage(name: str, flag: str, run: Callable[[], Path]) -> Path:
+            if name in given:
+                progress.given(name, given[name], flag)
+                return given[name]
+            return run()
+
+        truth = stage("truth", "--truth", lambda: st.bundle("truth", f"replay {self.names[src]} in float64" + (f" within {self.max_memory}" if self.max_memory else ""),
+                          {**budget, "threads": self.threads, "nproc": self.nproc}, [caps_p[src]],
+                          lambda out, ow: self._replay(caps_p[src], out, ow, "fp64")))  # fmt: skip
         bands = []
         for prec in self.precisions(caps):
-            bands.append(st.bundle(f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
-                                   {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc,
-                                    "emulation": EMULATION}, [caps_p[src]], lambda out, ow, prec=prec: self._replay(caps_p[src], out, ow, prec, self.ensemble)))  # fmt: skip
+            bands.append(stage(f"band-{prec}", "--band", lambda prec=prec: st.bundle(
+                f"band-{prec}", f"emulate {self.ensemble} honest {prec} runs (noise band)",
+                {**budget, "ensemble": self.ensemble, "threads": self.threads, "nproc": self.nproc, "emulation": EMULATION},
+                [caps_p[src]], lambda out, ow: self._replay(caps_p[src], out, ow, prec, self.ensemble))))  # fmt: skip
         views = []
         for i, lay in enumerate(self.layouts):
             from ..integrations.megatron.perrank import project

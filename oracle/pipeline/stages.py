@@ -180,6 +180,12 @@ class Progress:
         _test_kill(name, "start")
         return time.perf_counter()
 
+    def given(self, name: str, path: Path, flag: str) -> None:
+        """A replay stage the user gave (``oracle judge --truth`` / ``--band``: made elsewhere, checked)."""
+        self.done += 1
+        self.left.pop(name, None)
+        self.echo(f"[judge {self.done}/{self.total}] {name}: given ({flag} {path}, checked: this step's)")
+
     def skip(self, name: str, why: str) -> None:
         self.done += 1
         self.left.pop(name, None)

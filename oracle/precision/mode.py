@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import rounding
+from . import EMULATION, rounding
 
 LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -579,9 +579,10 @@ class PrecisionMode(TorchDispatchMode):
 
 
 def emulation_record(compute: torch.dtype, round_to: torch.dtype | None, ops: str) -> dict[str, Any]:
-    """What an emulated replay writes into its manifest (``emulation``): the formats, the ops rounded, the
+    """What an emulated replay writes into its manifest (``emulation``): what it computes as a version
+    (precision.EMULATION: a judge adopts a band of its own version only), the formats, the ops rounded, the
     members' jitter, and how the rounding ran (precision/rounding.py: the same bits either way)."""
-    return {"compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."), "ops": ops,
+    return {"version": EMULATION, "compute": str(compute).removeprefix("torch."), "round_to": str(round_to).removeprefix("torch."), "ops": ops,
             "jitter": "members >= 1 round x*(1+u), u uniform in ±1/4 ulp (±1 ulp when compute = target); exact values kept",
             "rounding": rounding.describe(round_to)}  # fmt: skip
 

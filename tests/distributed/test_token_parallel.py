@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HANG_S, assert_split_within, killed_at_barrier, packed_vl_capture, run_oracle, stream_budget
+from helpers import HANG_S, assert_split_within, killed_at_barrier, packed_vl_capture, run_oracle
 
 from oracle import recipe as recipes
 from oracle.bundle.store import Bundle
@@ -150,40 +150,6 @@ def test_the_split_refuses_by_the_inputs_shapes_alone():
     assert "use --nproc <= 72" in refusal(vl, 73)
     assert "without position_ids" in refusal({"input_ids": (1, 144), "pixel_values": (256, 1536)}, 2)
     assert "needs (batch, tokens)" in refusal({"pixel_values": (256, 1536)}, 2)
-
-
-def test_the_judge_splits_a_streamed_truth_by_tokens_where_the_split_takes_the_step(fp32_capture, amp_capture, tmp_path):
-    """In memory the truth stays tensor-parallel; streamed it splits by tokens; a step the split refuses runs
-    in one process and the progress says why."""
-    from oracle.pipeline.judge import Judge
-
-    said: list[str] = []
-    cap = Bundle(fp32_capture)
-
-    def split(**kw):
-        return Judge(fp32_capture, amp_capture, out=tmp_path / "j", echo=said.append, **kw).truth_split(cap)
-
-    assert split(nproc=2, max_memory="2G") == "tokens"
-    assert split(nproc=2) == "tensor" and split(max_memory="2G") == "tensor" and said == []
-    assert split(nproc=73, max_memory="2G") == "tensor"
-    assert len(said) == 1 and "runs in one process" in said[0] and "use --nproc <= 72" in said[0]
-
-
-def test_a_streamed_judge_under_nproc_splits_its_truth_by_tokens(fp32_capture, amp_capture, tmp_path):
-    """`oracle judge A B --nproc 2 --max-memory M`: the float64 truth runs split by tokens over the 2 ranks
-    (what the dry run prices over hosts; it ran in one process before), every gradient within the bound of
-    the single process's streamed oracle; the progress names the split; the bands still spread their members."""
-    budget = max((stream_budget(fp32_capture), stream_budget(amp_capture, "--dtype", "amp-bf16", "--ensemble", "2")),
-                 key=lambda b: float(b[:-1]))  # fmt: skip
-    r = run_oracle(["judge", fp32_capture, amp_capture, "--out", tmp_path / "j", "--nproc", "2", "--max-memory", budget,
-                    "--ensemble", "2"], timeout=HANG_S)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "split by tokens over 2 ranks" in r.stderr
-    truth = Bundle(tmp_path / "j" / "truth")
-    assert truth.get("token_parallel")["streamed"] is True
-    one = replay(fp32_capture, tmp_path / "one", max_memory=int(float(budget[:-1]) * 2**30))
-    assert_split_within(truth, Bundle(one), 2, BOUND)
-    assert Bundle(tmp_path / "j" / "band-amp-bf16").get("ranks") == 2
 
 
 @pytest.mark.rare  # a rare path at many moments: .ci/run's `pytest tests -m rare` (tests/conftest.py)

@@ -48,18 +48,28 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
            "score": {"seconds": 30.0}}  # fmt: skip
     assert elsewhere(est, 2, 2) == 1730.0  # as many cores as here: unchanged
     assert abs(elsewhere(est, 2, 64) - (100 + 60 + 30 + (900 + 640) * 2 / 64)) < 1e-9
-    assert abs(elsewhere(est, 2, 64, 8) - (190 + 1540 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY)) < 1e-9
-    # over hosts only the truth splits by tokens (and rank 0 adds ceil(log2 hosts) partial gradient sets); a band member
-    # runs whole on one host: 2 members on 8 hosts take one member's time, 3 on 2 hosts two members' one after another
-    from oracle.pipeline.judge import RANK0_SUM_BYTES_PER_S
+    # over hosts the truth splits by tokens over some (rank 0 adding ceil(log2 h) partial gradient sets) while each band
+    # member runs whole on one of the others, at the same time (hosts_plan): the split of the hosts that ends first
+    from oracle.pipeline.judge import RANK0_SUM_BYTES_PER_S, hosts_plan
 
     real = {"truth": {**est["truth"], "gradients": 22e9}, "band-bf16": {**est["band-bf16"], "members": 2}, "score": {"seconds": 30.0}}
     assert abs(elsewhere(real, 2, 64) - elsewhere(est, 2, 64)) < 1e-9  # one host: the same figure
-    truth_8 = 900 * 2 / 512 / TOKEN_PARALLEL_EFFICIENCY + 3 * 22e9 / RANK0_SUM_BYTES_PER_S  # a tree: log2(8) sets into rank 0
-    assert abs(elsewhere(real, 2, 64, 8) - (190 + truth_8 + 640 * 2 / 2 / 64)) < 1e-9
-    assert elsewhere(real, 2, 64, 8) > elsewhere(est, 2, 64, 8)  # the old price spread the band over every host's cores
+
+    def truth_on(h):  # the truth's fixed 100 s, its GEMMs over h hosts (one: not split), the tree's sets into rank 0
+        return 100 + 900 * 2 / (64 * h * (TOKEN_PARALLEL_EFFICIENCY if h > 1 else 1)) + (h - 1).bit_length() * 22e9 / RANK0_SUM_BYTES_PER_S
+
+    member = 60 / 2 + 640 * 2 / 2 / 64  # its share of the band's fixed costs, its GEMMs on one host
+    best = min([(truth_on(8) + member, 0), (max(truth_on(7), 2 * member), 1)] + [(max(truth_on(8 - m), member), m) for m in range(2, 8)])
+    assert hosts_plan(real, 2, 64, 8) == pytest.approx(best) and abs(elsewhere(real, 2, 64, 8) - (30 + best[0])) < 1e-9
+    # members long against the truth: the truth on 6 hosts while the 2 members run on the other 2, not one after the other
+    long = {"truth": {"seconds": 100.0, "gemm_seconds": 0.0, "gemm_core_seconds": 35840.0},
+            "band-bf16": {"seconds": 0.0, "gemm_seconds": 0.0, "gemm_core_seconds": 38400.0, "members": 2}}  # fmt: skip
+    assert hosts_plan(long, 2, 64, 8) == (300.0, 2)  # 2 members of 300 s on their own hosts; the truth 233 s on 6
+    assert elsewhere(long, 2, 64, 8) == 300.0 < (100 + 800 / 8) + 300  # one after the other: 500 s
+    # without a truth (given: --truth) the members use every host; 3 members on 2 hosts: two one after the other
     three = {"band-bf16": {"seconds": 700.0, "gemm_seconds": 640.0, "members": 3}}
-    assert abs(elsewhere(three, 2, 64, 2) - (60 + 640 * 2 / 3 * 2 / 64)) < 1e-9
+    assert abs(elsewhere(three, 2, 64, 2) - 2 * (60 / 3 + 640 * 2 / 3 / 64)) < 1e-9
+    assert hosts_plan({"truth": {"seconds": 0.0}, **three}, 2, 64, 8)[0] == pytest.approx(60 / 3 + 640 * 2 / 3 / 64)
     # the same stages on a loaded machine: the wall-clock GEMM time tripled, the one-core CPU time not
     loaded = {"truth": {"seconds": 2800.0, "gemm_seconds": 2700.0, "gemm_core_seconds": 1800.0},
               "band-bf16": {"seconds": 1980.0, "gemm_seconds": 1920.0, "gemm_core_seconds": 1280.0}, "score": {"seconds": 30.0}}  # fmt: skip
@@ -79,6 +89,7 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
     assert abs(elsewhere(pooled, 2, 64, 8) - elsewhere(pooled, 2, 64)) < 1e-9  # on one host of the 8
     out = run_oracle(["judge", fp32_capture, amp_capture, "--dry-run"]).stdout
     assert "on one 64-core server: about " in out and "on 8 hosts of 64 cores" in out, out
+    assert "the truth split by tokens over " in out and "band member(s) run whole" in out, out
     assert "GFLOP/s per core by CPU time" in out and "load average" in out, out
 
 
