@@ -112,7 +112,7 @@ def hosts_plan(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int
     A band member runs whole on one host (torchrun deals a band's members to its ranks round-robin,
     replay/run.py): its share of its stage's fixed costs plus its GEMMs over one host's cores; the members
     (of every band) go longest first to the least loaded of their hosts."""
-    truth = est.get("truth")
+    truth = None if (est.get("truth") or {}).get("given") else est.get("truth")  # a truth given (--truth) runs nowhere
     members: list[float] = []
     for e in est.values():
         if e.get("members"):
@@ -645,13 +645,15 @@ class Judge:
         """How ``hosts_plan`` shares the hosts between the replays, in words for the dry run."""
         m = hosts_plan(est, here, cores, hosts)[1]
         k = sum(e.get("members", 0) for e in est.values())
-        truth = (est.get("truth") or {}).get("seconds", 0) > 0  # not given
+        truth = "truth" in est and not est["truth"].get("given")
         th = hosts - m
         parts = [f"the truth split by tokens over {th} host(s) at efficiency {TOKEN_PARALLEL_EFFICIENCY}, rank 0 adding "
                  f"{(th - 1).bit_length()} partial gradient set(s)"] if truth else []  # fmt: skip
         if k:
+            used = min(k, m or hosts)
+            idle = f" ({m - used} idle: the truth over more would add a round of partial sums)" if truth and m > used else ""
             parts.append(f"{'while ' if m and truth else 'then ' if truth else ''}the {k} band member(s) run whole, one per host at a time, "
-                         f"on {'the other ' if truth and m else ''}{m or hosts} host(s)")  # fmt: skip
+                         f"on {used} {'other ' if truth and m else ''}host(s){idle}")  # fmt: skip
         return ("; " + " ".join(parts)) if parts else ""
 
     # -- the run -----------------------------------------------------------------------------

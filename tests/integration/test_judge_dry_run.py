@@ -66,10 +66,19 @@ def test_the_dry_run_prices_the_answer_on_a_server_and_on_hosts(fp32_capture, am
             "band-bf16": {"seconds": 0.0, "gemm_seconds": 0.0, "gemm_core_seconds": 38400.0, "members": 2}}  # fmt: skip
     assert hosts_plan(long, 2, 64, 8) == (300.0, 2)  # 2 members of 300 s on their own hosts; the truth 233 s on 6
     assert elsewhere(long, 2, 64, 8) == 300.0 < (100 + 800 / 8) + 300  # one after the other: 500 s
+    # a truth whose partial sums cost more than its GEMMs save stays on fewer hosts; the dry run says the others idle
+    from oracle.pipeline.judge import Judge
+
+    sums = {"truth": {"seconds": 0.0, "gemm_core_seconds": 0.0, "gradients": 45e9},
+            "band-bf16": {"seconds": 0.0, "gemm_core_seconds": 2 * 64 * 50.0, "members": 2}}  # fmt: skip
+    assert hosts_plan(sums, 2, 64, 8) == (50.0, 7)  # the truth on one host (no sums), the 2 members on 2 of the other 7
+    said = Judge._hosts_split(sums, 2, 64, 8)
+    assert "the truth split by tokens over 1 host(s)" in said and "on 2 other host(s) (5 idle" in said, said
     # without a truth (given: --truth) the members use every host; 3 members on 2 hosts: two one after the other
     three = {"band-bf16": {"seconds": 700.0, "gemm_seconds": 640.0, "members": 3}}
     assert abs(elsewhere(three, 2, 64, 2) - 2 * (60 / 3 + 640 * 2 / 3 / 64)) < 1e-9
-    assert hosts_plan({"truth": {"seconds": 0.0}, **three}, 2, 64, 8)[0] == pytest.approx(60 / 3 + 640 * 2 / 3 / 64)
+    assert hosts_plan({"truth": {"seconds": 0.0, "given": "T"}, **three}, 2, 64, 8) == (pytest.approx(60 / 3 + 640 * 2 / 3 / 64), 0)
+    assert "truth" not in Judge._hosts_split({"truth": {"seconds": 0.0, "given": "T"}, **three}, 2, 64, 8)
     # the same stages on a loaded machine: the wall-clock GEMM time tripled, the one-core CPU time not
     loaded = {"truth": {"seconds": 2800.0, "gemm_seconds": 2700.0, "gemm_core_seconds": 1800.0},
               "band-bf16": {"seconds": 1980.0, "gemm_seconds": 1920.0, "gemm_core_seconds": 1280.0}, "score": {"seconds": 30.0}}  # fmt: skip
