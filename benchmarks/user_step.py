@@ -212,7 +212,8 @@ def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None, dtype: str
         reached = p["total_flops"] / s["seconds"]
         print(f"   FLOP rate reached {reached / 1e9:.1f} GFLOP/s = {reached / rate:.2f}x of the float32 GEMM probe "
               f"({rate / 1e9:.1f} GFLOP/s; the dry run prices members at {EMULATED_EFFICIENCY}x): dry-run time "
-              f"{p['estimated_seconds']:.0f} s = {p['estimated_seconds'] / s['seconds']:.2f}x of measured")  # fmt: skip
+              f"{p['estimated_seconds']:.0f} s of GEMMs + {p['parameter_seconds']:.0f} s per-parameter work = "
+              f"{(p['estimated_seconds'] + p['parameter_seconds']) / s['seconds']:.2f}x of measured")  # fmt: skip
         return
     rate = gemm_rate(reps=15)
     reached = p["total_flops"] / s["seconds"]
@@ -222,7 +223,9 @@ def bench_cut(d: Path, tokens: int, side: int, cfg_path: Path | None, dtype: str
     cores = torch.get_num_threads()
     server = full["total_flops"] / (rate / cores * 64 * reached / rate)
     print(f"   FLOP rate reached {reached / 1e9:.1f} GFLOP/s = {reached / rate:.2f}x of the float64 GEMM probe "
-          f"({rate / 1e9:.1f} GFLOP/s on {cores} threads; target >= 0.7x; the dry run's time assumes {p['efficiency']:.2f}x)")  # fmt: skip
+          f"({rate / 1e9:.1f} GFLOP/s on {cores} threads; target >= 0.7x; the dry run's time assumes {p['efficiency']:.2f}x); "
+          f"dry-run time {p['estimated_seconds']:.0f} s of GEMMs + {p['parameter_seconds']:.0f} s per-parameter work = "
+          f"{(p['estimated_seconds'] + p['parameter_seconds']) / s['seconds']:.2f}x of measured")  # fmt: skip
     print(f"   extrapolated (FLOPs of the 36-layer, 65536-token step: {full['total_flops']:.2e}): {here / 3600:.1f} h here; "
           f"{server / 3600:.2f} h on one 64-core server (probe per core x 64, same fraction of it); its memory: "
           f"{full['memory']['peak_estimate'] / G:.1f} GiB estimated ({'fits' if full['fits'] else 'does not fit'} 16 GiB)")  # fmt: skip

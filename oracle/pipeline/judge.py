@@ -531,14 +531,16 @@ class Judge:
         gemm_s = lambda q: q["estimated_seconds"] * q["gemm_flops_per_s"] / rates[compute[q["dtype"]]]  # noqa: E731
         core_s = lambda q: gemm_s(q) * rates[compute[q["dtype"]]] / cores[compute[q["dtype"]]]  # noqa: E731 -- one core's GEMM seconds
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
-        est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe), "flops": base["total_flops"],
+        # a pass's per-parameter work (plan.PARAMETER_SECONDS) is a fixed cost: not in gemm_seconds, not shrunk by cores
+        est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe) + base["parameter_seconds"], "flops": base["total_flops"],
                         "gradients": base["disk"]["gradients"],
                         "gemm_seconds": gemm_s(base), "gemm_core_seconds": core_s(base),
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
             q = plans[prec]
-            est[f"band-{prec}"] = {"seconds": eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
+            member = eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) + q["parameter_seconds"]
+            est[f"band-{prec}"] = {"seconds": member * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
                                    "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(), "gemm_core_seconds": core_s(q) * self.ensemble,
                                    "members": self.ensemble,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,

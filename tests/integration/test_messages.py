@@ -233,9 +233,18 @@ def test_judge_estimates_count_each_packed_samples_attention_calls(fp32_capture,
     twin = shutil.copytree(packed, tmp_path / "twin")  # the same step in another folder (one folder as both runs is refused)
     j = judge_mod.Judge(packed, twin, out=tmp_path / "j", names=["a", "b"], ensemble=2)
     est = j.estimates([Bundle(packed), Bundle(packed)])
-    fixed = est["truth"]["seconds"] - est["truth"]["gemm_seconds"]
+    # the fixed costs: the probes', and each pass's per-parameter work (plan.PARAMETER_SECONDS: not a GEMM's)
+    import torch
+
+    from oracle.replay.streaming.plan import PARAMETER_SECONDS
+
+    assert three["parameter_seconds"] == pytest.approx(three["parameters"] * PARAMETER_SECONDS[torch.float64])
+    member = plan(Bundle(packed), "fp32", streamed=False)["parameter_seconds"]
+    assert member == pytest.approx(three["parameters"] * PARAMETER_SECONDS[torch.float32])
+    assert member < three["parameter_seconds"]
+    fixed = est["truth"]["seconds"] - est["truth"]["gemm_seconds"] - three["parameter_seconds"]
     assert fixed / j.probe_s == pytest.approx(eta.TRUTH_PROBES + eta.TRUTH_CALL_PROBES * 3 * per_sample)
-    band = est["band-fp32"]["seconds"] - est["band-fp32"]["gemm_seconds"]
+    band = est["band-fp32"]["seconds"] - est["band-fp32"]["gemm_seconds"] - 2 * member
     assert band / j.probe_s == pytest.approx(2 * (eta.MEMBER_PROBES["fp32"] + eta.MEMBER_CALL_PROBES["fp32"] * 3 * per_sample))
 
 

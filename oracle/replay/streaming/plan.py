@@ -75,6 +75,17 @@ ATTENTION_EFFICIENCY = 0.55
 # and hashed: 8-16 GiB) is a third of either run and no constant of the GEMMs prices it; at the user's 8B/64k it is
 # minutes of hours.
 EMULATED_EFFICIENCY = 0.64
+# The per-parameter work no FLOP count shows, per parameter, by the dtype the run computes in: each unit's weights
+# materialised from the capture (read, upcast), its gradients written (float64 for the truth, float32 for a member)
+# and hashed twice (store.entry_hashes), the head's and the embedding's by rows. Not scaled by cores: a dry run prices
+# it as measured here, on a server and on each rank of a token split (every rank writes a whole partial set).
+# Measured 2026-12-06 (eleventh session, quiet, 2 cores) on Qwen3-VL-8B's 2-layer cut (2.21 B parameters, `python
+# benchmarks/user_step.py cut --tokens N --side 224 [--dtype bf16]`): the truth 148 s at 1024 tokens and 181 s at 2048
+# against 86 and 125 s of GEMMs priced: 62 and 56 s left, 27 ns per parameter (17.7 GB of float64 gradients at 0.30
+# GB/s); a bf16 member 95 s at 1024 tokens against 56 s priced: 39 s, 18 ns per parameter. At 16384 tokens it is 5 %
+# of the truth (EFFICIENCY was fitted there with it inside); at the user's 8B (8.8 B parameters) 4 min for the truth
+# and 2.6 per member, minutes a server's cores do not shorten.
+PARAMETER_SECONDS = {torch.float64: 27e-9, torch.float32: 18e-9}
 
 
 def gemm_rate(n: int = 768, reps: int = 3, dtype: torch.dtype = torch.float64) -> float:
@@ -223,6 +234,7 @@ def plan(cap: Bundle, dtype: str = "fp64", *, streamed: bool = True, budget: int
         "recipe": recipe.name, "dtype": dtype, "tokens": T, "samples": lengths, "patches": patches, "loss_tokens": n_loss,
         "parameters": n_params, "units": len(units), "attention_calls": calls, "flops": flops, "total_flops": total, "gemm_flops_per_s": rate,
         "estimated_seconds": seconds / ranks, "efficiency": efficiency, "ranks": ranks,
+        "parameter_seconds": n_params * PARAMETER_SECONDS.get(compute, PARAMETER_SECONDS[torch.float64]),
         "memory": {"process": process, "reserve": need["bytes"], "reserve_by": need["by"], "fixed": fixed,
                    "activations": activations, "activations_in_memory": activations - overflow,
                    "peak_estimate": round((fixed + (activations - overflow)) * retention),
@@ -350,7 +362,9 @@ def render(p: dict[str, Any]) -> str:
         f"dry run: {p['recipe']} step, {p['tokens']} tokens in {len(p['samples'])} sample(s), {p['patches']} image patches, "
         f"{p['loss_tokens']} loss tokens, {_count(p['parameters'])} parameters, {p['units']} streamed units, {p['dtype']}",
         f"  FLOPs    {p['total_flops']:.3e}  (linear {f['linear']:.2e}, attention {f['attention']:.2e}, head+loss {f['head']:.2e})",
-        f"  time     about {p['estimated_seconds'] / 60:.1f} min here ({'float64' if p['dtype'] == 'fp64' else 'float32'} GEMM probe {p['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s x {p['efficiency']})",
+        f"  time     about {(p['estimated_seconds'] + p['parameter_seconds']) / 60:.1f} min here (GEMMs on the "
+        f"{'float64' if p['dtype'] == 'fp64' else 'float32'} GEMM probe {p['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s x {p['efficiency']:.2f}, "
+        f"+ {p['parameter_seconds'] / 60:.1f} min of per-parameter work: weights materialised, gradients written and hashed)",
         f"  memory   {'per rank of ' + str(p['ranks']) + ' (split by tokens): ' if p.get('ranks', 1) > 1 else ''}"
         f"peak about {g(p['memory']['peak_estimate'])}"
         + ((" within" if p["fits"] else " ABOVE") + f" --max-memory {g(p['budget'])}" if p["budget"] else "")
