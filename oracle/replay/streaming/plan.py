@@ -84,7 +84,9 @@ EMULATED_EFFICIENCY = 0.64
 # against 86 and 125 s of GEMMs priced: 62 and 56 s left, 27 ns per parameter (17.7 GB of float64 gradients at 0.30
 # GB/s); a bf16 member 95 s at 1024 tokens against 56 s priced: 39 s, 18 ns per parameter. At 16384 tokens it is 5 %
 # of the truth (EFFICIENCY was fitted there with it inside); at the user's 8B (8.8 B parameters) 4 min for the truth
-# and 2.6 per member, minutes a server's cores do not shorten.
+# and 2.6 per member, minutes a server's cores do not shorten. Mostly this machine's disk: its writes reach 0.36 GB/s
+# with the fsync (256 MiB x 8; sha256 runs at 2.1 GB/s here), so 49 of the truth's 59 s; a server's NVMe drive writes
+# several times faster, and there this price is conservative.
 PARAMETER_SECONDS = {torch.float64: 27e-9, torch.float32: 18e-9}
 
 
