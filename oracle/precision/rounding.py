@@ -32,7 +32,8 @@ Switch and fallback. ``ORACLE_ROUNDING=eager`` keeps the eager conversions. Othe
 rounding of ``MIN_ELEMENTS`` or more builds the kernel with the system's C compiler (``cc``; ``CC``
 where set) into oracle's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, ``oracle/rounding/``, named by
 a hash of the source, the compiler's version and this CPU's flags: ``-march=native`` code is never
-loaded on another CPU), about a second once per machine, then loaded in each process. No compiler,
+loaded on another CPU), about a second once per machine, then loaded in each process (a library of
+another source, compiler or CPU unused for ``KEEP_DAYS`` is removed at the next build: ``prune``). No compiler,
 a failed build or a probe that disagrees: the process keeps the eager path, and ``state()`` says
 why; an emulated replay writes it into its manifest (``emulation.rounding``). Nothing here runs in a
 training process: only an emulated replay rounds.
@@ -40,6 +41,7 @@ training process: only an emulated replay rounds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -47,6 +49,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +57,7 @@ import torch
 ENV = "ORACLE_ROUNDING"  #: "eager": torch's conversions; unset or "kernel": the C kernel where it builds
 # Below this the eager rounding (its tensors in cache) is as fast: python benchmarks/rounding.py
 MIN_ELEMENTS = 1 << 15
+KEEP_DAYS = 30  # a cached library unused this long is removed before the next build (prune)
 _PER_THREAD = 1 << 21  # elements a thread takes at least (starting one costs 30-70 us here)
 
 _SOURCE = r"""
@@ -157,8 +161,11 @@ def _build() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oracle" / "rounding"
     lib = base / f"round-{key}.so"
     if lib.exists():
+        with contextlib.suppress(OSError):
+            os.utime(lib)  # its mtime says when it was last used (a read-only cache keeps the build's)
         return lib
     base.mkdir(parents=True, exist_ok=True)
+    prune(base)
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         src, out = Path(tmp) / "round.c", Path(tmp) / "round.so"
         src.write_text(_SOURCE)
@@ -168,6 +175,22 @@ def _build() -> Path:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         os.replace(out, lib)  # atomic: a concurrent process sees the whole library or none
     return lib
+
+
+def prune(base: Path, keep_days: float = KEEP_DAYS) -> list[str]:
+    """Remove the libraries in ``base`` not used for ``keep_days`` (their mtime, touched at each use): those of
+    an earlier source, compiler or CPU pile up otherwise, one per oracle version. Run before a build, so a
+    cache in use by another process or machine (a shared home: other CPUs, other keys) loses only what none
+    of them used for that long; one removed while loaded stays mapped, and a process that finds it gone
+    builds it again (a second). Returns the names removed."""
+    cutoff = time.time() - keep_days * 86400
+    gone = []
+    for old in base.glob("round-*.so"):
+        with contextlib.suppress(OSError):
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+                gone.append(old.name)
+    return gone
 
 
 def probe_values() -> torch.Tensor:

@@ -128,6 +128,29 @@ def test_a_failed_build_keeps_the_eager_path_and_says_why(monkeypatch, tmp_path)
     assert rounding._load() == (None, f"{rounding.ENV}=eager")
 
 
+def test_a_build_removes_only_the_libraries_unused_for_a_month(monkeypatch, tmp_path):
+    """Each oracle version (its source), compiler or CPU builds its own library into the cache; before a build the
+    ones not used for KEEP_DAYS go (their mtime, touched at each use), the others stay."""
+    import os
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    base = tmp_path / "oracle" / "rounding"
+    base.mkdir(parents=True)
+    old, recent, other = base / "round-0000000000000000.so", base / "round-1111111111111111.so", base / "notes.txt"
+    for f in (old, recent, other):
+        f.write_bytes(b"x")
+    month = time.time() - (rounding.KEEP_DAYS + 1) * 86400
+    os.utime(old, (month, month))
+    os.utime(other, (month, month))
+    lib = rounding._build()  # this source's library: built now
+    assert lib.exists() and lib.parent == base
+    assert not old.exists() and recent.exists() and other.exists()  # only an old library of ours
+    os.utime(lib, (month, month))
+    assert rounding._build() == lib and lib.stat().st_mtime > time.time() - 60  # a use touches it: kept
+    assert rounding.prune(base) == [] and lib.exists()
+
+
 def _wide_qwen3_capture(root) -> str:
     """The tiny Qwen3 recipe widened to hidden 256 (seeded weights), one sample of ~500 byte tokens, captured in
     bf16: its activations (500 x 256 and wider) are above MIN_ELEMENTS, the kernel's path."""
