@@ -550,7 +550,7 @@ class Bundle:
         if verify and _sha256(memoryview(buf)) != e["sha256"]:
             raise BundleError(
                 f"{self.path}: {group}/{name} does not match its sha256 in the manifest; the bundle "
-                "is damaged or was edited, capture it again"
+                f"is damaged or was edited, {self._remake()}"
             )
         if nbytes == 0:
             return torch.empty(e["shape"], dtype=dtype)
@@ -591,7 +591,7 @@ class Bundle:
         if left or h.hexdigest() != e["sha256"]:
             raise BundleError(
                 f"{self.path}: {group}/{name} does not match its sha256 in the manifest; the bundle "
-                "is damaged or was edited, capture it again"
+                f"is damaged or was edited, {self._remake()}"
             )
 
     def load_group(self, group: str, *, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -600,6 +600,12 @@ class Bundle:
     def iter_group(self, group: str, *, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         for n in self.names(group):
             yield n, self.load(group, n, verify=verify)
+
+    def _remake(self) -> str:
+        """How a damaged bundle of this kind is made again (the fix its error names)."""
+        if self.kind in ("oracle", "emulation"):
+            return f"replay it again (oracle replay CAPTURE --out {self.path})"
+        return "capture it again"
 
     # -- what step this is ------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, dict[str, str]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle.store import Bundle, check_not_input
-from ..errors import BundleError, InputNotFound, OracleError, UsageError, problem_lines
+from ..errors import BundleError, InputNotFound, MismatchError, OracleError, UsageError, problem_lines
 from ..precision import CAPTURE_NAMES, EMULATION, emulation
 from ..replay.options import ReplayOptions
 from ..report.judge import write_judge_report
@@ -283,7 +283,8 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
 
 def given_check(cap: Bundle, dtype: str, members: int = 1) -> Callable[[Path], str | None]:
     """The check a bundle given for a replay stage (``oracle judge --truth T --band B``) must pass: None where
-    it is what that stage would make, else why not. Over several hosts the replays run there, each with
+    it is what that stage would make, else why not; one replayed from another step raises MismatchError (exit 5,
+    as any two bundles of different steps). Over several hosts the replays run there, each with
     torchrun (the truth ``oracle replay CAP --out T --split tokens``, a band ``oracle replay CAP --out B
     --dtype P --ensemble K``: members spread over the ranks), then ``oracle judge ... --truth T --band B``
     on one host takes them and runs the rest. What that stage would make: the kind it makes, replayed in
@@ -302,7 +303,8 @@ def given_check(cap: Bundle, dtype: str, members: int = 1) -> Callable[[Path], s
             article = "an" if b.kind[:1] in ("a", "e", "i", "o", "u") else "a"
             return f"it is {article} {b.kind} bundle in {b.get('precision')}, where this stage makes an {kind} bundle in {dtype}"
         if b.fingerprint() != cap.fingerprint():
-            return f"replayed from another step (its inputs or weights differ from {cap.path}'s)"
+            raise MismatchError(f"{out}: replayed from another step (its inputs or weights differ from {cap.path}'s); give "
+                                f"the replay of {cap.path} or leave it out")  # fmt: skip
         if dtype != "fp64":
             if int(b.get("members", 1)) != members:
                 return f"{b.get('members', 1)} member(s), where this judge's band has {members} (--ensemble)"
@@ -409,16 +411,20 @@ class Judge:
                                  "(oracle replay CAP --out T, --split tokens over hosts) or leave --truth out")  # fmt: skip
             out["truth"] = self.truth_given
         for b in self.bands_given:
-            prec = Bundle(b).get("precision")
+            given = Bundle(b)
+            prec = given.get("precision")
             stage = f"band-{prec}"
+            if given.kind != "emulation":
+                raise UsageError(f"--band {b}: it is {'an' if given.kind[:1] in 'aeiou' else 'a'} {given.kind} bundle, not a noise "
+                                 f"band (oracle replay CAP --out B --dtype P --ensemble {self.ensemble} makes one)")  # fmt: skip
             if prec not in precs:
                 raise UsageError(f"--band {b}: a band in {prec}, where this judge's runs need {', '.join(precs) or 'none'}")
             if stage in out:
                 raise UsageError(f"--band {b}: a second band in {prec} (the first: {out[stage]}); give one per precision")
             why = given_check(cap, prec, self.ensemble)(b)
             if why:
-                raise UsageError(f"--band {b}: {why}; give `oracle replay {cap.path} --dtype {prec} --ensemble {self.ensemble}`'s "
-                                 "bundle or leave --band out")  # fmt: skip
+                raise UsageError(f"--band {b}: {why}; give the bundle of `oracle replay {cap.path} --out B --dtype {prec} "
+                                 f"--ensemble {self.ensemble}` or leave --band out")  # fmt: skip
             out[stage] = b
         return out
 
@@ -649,13 +655,17 @@ class Judge:
         k = sum(e.get("members", 0) for e in est.values())
         truth = "truth" in est and not est["truth"].get("given")
         th = hosts - m
-        parts = [f"the truth split by tokens over {th} host(s) at efficiency {TOKEN_PARALLEL_EFFICIENCY}, rank 0 adding "
-                 f"{(th - 1).bit_length()} partial gradient set(s)"] if truth else []  # fmt: skip
+        parts = []
+        if truth and th > 1:
+            parts.append(f"the truth split by tokens over {th} hosts at efficiency {TOKEN_PARALLEL_EFFICIENCY}, rank 0 adding "
+                         f"{(th - 1).bit_length()} partial gradient set(s)")  # fmt: skip
+        elif truth:
+            parts.append("the truth in one process on one host")
         if k:
             used = min(k, m or hosts)
             idle = f" ({m - used} idle: the truth over more would add a round of partial sums)" if truth and m > used else ""
-            parts.append(f"{'while ' if m and truth else 'then ' if truth else ''}the {k} band member(s) run whole, one per host at a time, "
-                         f"on {used} {'other ' if truth and m else ''}host(s){idle}")  # fmt: skip
+            parts.append(f"{'while ' if m and truth else 'then ' if truth else ''}the {k} band member(s) run whole, one per host"
+                         f"{' at a time' if k > used else ''}, on {used} {'other ' if truth and m else ''}host(s){idle}")  # fmt: skip
         return ("; " + " ".join(parts)) if parts else ""
 
     # -- the run -----------------------------------------------------------------------------
