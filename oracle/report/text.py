@@ -104,6 +104,11 @@ def render_replay(capture, out, dtype: str) -> str:
 
     b = Bundle(out)
     msg = f"replayed {capture} in {dtype}: loss {b.get('loss')['value']:.12g} ({b.get('seconds')} s) -> {out}"
+    split = b.get("token_parallel")
+    if split:
+        msg += f"\n  split by tokens over {split['ranks']} ranks (every gradient within {split['bound_rel']:.0e} of one process's)"
+    elif (b.get("ranks") or 1) > 1:
+        msg += f"\n  on {b.get('ranks')} ranks"
     if b.get("streaming"):
         st = b.get("streaming")
         msg += (

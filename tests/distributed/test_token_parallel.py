@@ -26,6 +26,7 @@ def _split(cap, out, nproc=2):
     r = run_oracle(["replay", str(cap), "--out", str(out), "--split", "tokens", "--nproc", str(nproc), "--threads", "1"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("replayed ") == 1  # rank 0 alone prints
+    assert f"split by tokens over {nproc} ranks (every gradient within 1e-12" in r.stdout, r.stdout
     return Bundle(out)
 
 
