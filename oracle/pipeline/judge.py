@@ -281,7 +281,11 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
         raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
 
 
-def given_check(cap: Bundle, dtype: str, members: int = 1) -> Callable[[Path], str | None]:
+def _a(word: str) -> str:
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def given_check(path: Path, cap: Bundle, dtype: str, members: int = 1) -> str | None:
     """The check a bundle given for a replay stage (``oracle judge --truth T --band B``) must pass: None where
     it is what that stage would make, else why not; one replayed from another step raises MismatchError (exit 5,
     as any two bundles of different steps). Over several hosts the replays run there, each with
@@ -289,31 +293,27 @@ def given_check(cap: Bundle, dtype: str, members: int = 1) -> Callable[[Path], s
     --dtype P --ensemble K``: members spread over the ranks), then ``oracle judge ... --truth T --band B``
     on one host takes them and runs the rest. What that stage would make: the kind it makes, replayed in
     ``dtype`` from this step (the same inputs' and weights' values: ``Bundle.fingerprint``); a band with
-    ``members`` members made by this emulation (``precision.EMULATION``: what an older one computed differs). How it was spread (ranks,
-    threads, streamed or not) is not asked: the float64 truth is the same within 1e-12 either way, a band's
-    members are as honest at any thread count (precision/mode.py: its sums follow the threads)."""
-
-    def check(out: Path) -> str | None:
-        try:
-            b = Bundle(out)
-        except OracleError as e:
-            return f"not a bundle: {str(e).splitlines()[0]}"
-        kind = "oracle" if dtype == "fp64" else "emulation"
-        if b.kind != kind or b.get("precision") != dtype:
-            article = "an" if b.kind[:1] in ("a", "e", "i", "o", "u") else "a"
-            return f"it is {article} {b.kind} bundle in {b.get('precision')}, where this stage makes an {kind} bundle in {dtype}"
-        if b.fingerprint() != cap.fingerprint():
-            raise MismatchError(f"{out}: replayed from another step (its inputs or weights differ from {cap.path}'s); give "
-                                f"the replay of {cap.path} or leave it out")  # fmt: skip
-        if dtype != "fp64":
-            if int(b.get("members", 1)) != members:
-                return f"{b.get('members', 1)} member(s), where this judge's band has {members} (--ensemble)"
-            made = (b.get("emulation") or {}).get("version")
-            if made != EMULATION:
-                return f"made by emulation {made!r}, not this oracle's {EMULATION!r}"
-        return None
-
-    return check
+    ``members`` members made by this emulation (``precision.EMULATION``: what an older one computed differs).
+    How it was spread (ranks, threads, streamed or not) is not asked: the float64 truth is the same within
+    1e-12 either way, a band's members are as honest at any thread count (precision/mode.py: its sums
+    follow the threads)."""
+    try:
+        b = Bundle(path)
+    except OracleError as e:
+        return f"not a bundle: {str(e).splitlines()[0]}"
+    kind = "oracle" if dtype == "fp64" else "emulation"
+    if b.kind != kind or b.get("precision") != dtype:
+        return f"it is {_a(b.kind)} bundle in {b.get('precision')}, where this stage makes {_a(kind)} bundle in {dtype}"
+    if b.fingerprint() != cap.fingerprint():
+        raise MismatchError(f"{path}: replayed from another step (its inputs or weights differ from {cap.path}'s); give "
+                            f"the replay of {cap.path} or leave it out")  # fmt: skip
+    if dtype != "fp64":
+        if int(b.get("members", 1)) != members:
+            return f"{b.get('members', 1)} member(s), where this judge's band has {members} (--ensemble)"
+        made = (b.get("emulation") or {}).get("version")
+        if made != EMULATION:
+            return f"made by emulation {made!r}, not this oracle's {EMULATION!r}"
+    return None
 
 
 def check_complete(caps: list[Bundle], names: list[str]) -> None:
@@ -402,10 +402,11 @@ class Judge:
 
     def given(self, cap: Bundle, precs: list[str]) -> dict[str, Path]:
         """The replay stages given with --truth / --band, by stage name, each checked to be what that stage would
-        make of ``cap`` (``given_check``): a bundle that is not is refused (UsageError, exit 2) before any stage."""
+        make of ``cap`` (``given_check``): a bundle that is not is refused before any stage (UsageError, exit 2;
+        another step's: MismatchError, exit 5)."""
         out: dict[str, Path] = {}
         if self.truth_given is not None:
-            why = given_check(cap, "fp64")(self.truth_given)
+            why = given_check(self.truth_given, cap, "fp64")
             if why:
                 raise UsageError(f"--truth {self.truth_given}: {why}; give the float64 replay of {cap.path} "
                                  "(oracle replay CAP --out T, --split tokens over hosts) or leave --truth out")  # fmt: skip
@@ -415,13 +416,13 @@ class Judge:
             prec = given.get("precision")
             stage = f"band-{prec}"
             if given.kind != "emulation":
-                raise UsageError(f"--band {b}: it is {'an' if given.kind[:1] in 'aeiou' else 'a'} {given.kind} bundle, not a noise "
+                raise UsageError(f"--band {b}: it is {_a(given.kind)} bundle, not a noise "
                                  f"band (oracle replay CAP --out B --dtype P --ensemble {self.ensemble} makes one)")  # fmt: skip
             if prec not in precs:
                 raise UsageError(f"--band {b}: a band in {prec}, where this judge's runs need {', '.join(precs) or 'none'}")
             if stage in out:
                 raise UsageError(f"--band {b}: a second band in {prec} (the first: {out[stage]}); give one per precision")
-            why = given_check(cap, prec, self.ensemble)(b)
+            why = given_check(b, cap, prec, self.ensemble)
             if why:
                 raise UsageError(f"--band {b}: {why}; give the bundle of `oracle replay {cap.path} --out B --dtype {prec} "
                                  f"--ensemble {self.ensemble}` or leave --band out")  # fmt: skip
