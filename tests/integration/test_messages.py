@@ -242,6 +242,15 @@ def test_judge_estimates_count_each_packed_samples_attention_calls(fp32_capture,
     member = plan(Bundle(packed), "fp32", streamed=False)["parameter_seconds"]
     assert member == pytest.approx(three["parameters"] * PARAMETER_SECONDS[torch.float32])
     assert member < three["parameter_seconds"]
+    # streamed, the token embedding's rows no input id reads are holes (embedding.write_dense): hashed, not written
+    from oracle.replay.streaming.plan import HOLE_SECONDS
+
+    streamed = plan(Bundle(packed), "fp64")
+    V, H = cfg["text_config"]["vocab_size"], cfg["text_config"]["hidden_size"]
+    holes = (V - torch.unique(Bundle(packed).load("inputs", "input_ids")).numel()) * H
+    assert streamed["embedding_holes"] == holes > 0 and three["embedding_holes"] == 0
+    assert streamed["parameter_seconds"] == pytest.approx((three["parameters"] - holes) * PARAMETER_SECONDS[torch.float64]
+                                                          + holes * HOLE_SECONDS)  # fmt: skip
     fixed = est["truth"]["seconds"] - est["truth"]["gemm_seconds"] - three["parameter_seconds"]
     assert fixed / j.probe_s == pytest.approx(eta.TRUTH_PROBES + eta.TRUTH_CALL_PROBES * 3 * per_sample)
     band = est["band-fp32"]["seconds"] - est["band-fp32"]["gemm_seconds"] - 2 * member

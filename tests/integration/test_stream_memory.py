@@ -112,6 +112,37 @@ def test_a_row_written_tensor_is_an_ordinary_safetensors_file_with_its_hashes(tm
     assert e == {"dtype": "float64", "shape": [10, 3], "sha256": tensor_sha256(t), "value_sha256": value_sha256(t)}
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_embeddings_unused_rows_are_holes_that_read_and_hash_as_zeros(tmp_path, dtype):
+    """write_dense: used rows in runs (the first row, a run across a 4096-row chunk, a lone row, the last
+    row) and zeros between them; the file loads as the dense gradient, its entry is the dense tensor's
+    (both hashes), and the zero rows take no disk (a sparse file: far fewer blocks than bytes)."""
+    from oracle.bundle.store import entry_hashes
+    from oracle.replay.streaming.embedding import write_dense
+
+    V, H = 12000, 256
+    used = torch.tensor([0, 1, 2, *range(4090, 4100), 7000, V - 1])
+    grad = torch.randn(used.numel(), H, dtype=dtype)
+    grad[1, 3] = -0.0  # a used row's signed zero is written as it is
+    dense = torch.zeros(V, H, dtype=dtype)
+    dense[used] = grad
+    path = tmp_path / "emb.safetensors"
+    e = write_dense(path, "w", [V, H], used, grad)
+    back = load_file(str(path))["w"]
+    assert torch.equal(back, dense) and torch.signbit(back[1, 3])
+    assert e == {"dtype": str(dtype).removeprefix("torch."), "shape": [V, H], **entry_hashes(dense)}
+    size, held = path.stat().st_size, path.stat().st_blocks * 512
+    assert size > dense.numel() * dense.element_size()
+    assert held < size / 10, (held, size)  # 16 of 12000 rows used: their pages, the header's, no more
+    w = RowWriter(tmp_path / "x.safetensors", "x", [4, 2], dtype)
+    w.zeros(3)
+    with pytest.raises(ValueError, match=r"x: 2 zero rows do not continue rows 3 of \[4, 2\]"):
+        w.zeros(2)
+    w.zeros(1)  # the file ends in a hole: its size is set all the same
+    assert w.close()["sha256"] == tensor_sha256(torch.zeros(4, 2, dtype=dtype))
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["x"], torch.zeros(4, 2, dtype=dtype))
+
+
 def test_dry_run_refuses_where_the_run_would_and_needs_no_out(fp32_capture, tmp_path):
     """--dry-run without --out: a budget below the estimate exits 2 naming the budget that would do; the run
     refuses that budget too, and runs with the one the dry run named."""

@@ -1,4 +1,4 @@
-"""A streamed token embedding holds only the rows the step used; its gradient is written dense by chunks.
+"""A streamed token embedding holds only the rows the step used; its gradient is written as a sparse file.
 
 A token embedding (``nn.Embedding``: 151936 x 4096 for Qwen3-VL-8B, 4.6 GiB in float64, and a dense
 gradient of the same size) is read by the step only at the token ids it sees. Here its unit runs as
@@ -10,10 +10,10 @@ gradient of the same size) is read by the step only at the token ids it sees. He
 
 and its gradient is grad W_used (U, H): for every used row the sum of its tokens' output gradients,
 every other row exactly zero (no token reads it). The oracle stores the full (V, H) gradient, as the
-scorer and the bundle format expect, written by vocabulary chunks of ``CHUNK`` rows (zeros where no
-row was used) so the dense gradient never exists in memory. The sums run over the same tokens as the
-dense embedding backward; bound stated and tested: within 1e-12 relative (measured: bitwise here).
-Memory: U x H twice (U <= tokens) and one chunk, instead of V x H twice.
+scorer and the bundle format expect, written run by run of used rows, the unused rows left holes in a
+sparse file (``write_dense``): the dense gradient never exists in memory and its zeros take no disk. The
+sums run over the same tokens as the dense embedding backward; bound stated and tested: within 1e-12
+relative (measured: bitwise here). Memory: U x H twice (U <= tokens), instead of V x H twice.
 """
 
 from __future__ import annotations
@@ -60,13 +60,19 @@ class UsedRows:
 
 
 def write_dense(path, name: str, shape: list[int], used: torch.Tensor, grad: torch.Tensor) -> dict:
-    """The (V, H) gradient with ``grad`` (U, H) at rows ``used`` and zeros elsewhere, by chunks; its entry."""
+    """The (V, H) gradient with ``grad`` (U, H) at rows ``used`` (sorted, unique) and zeros elsewhere; its
+    entry. Each run of consecutive used rows is written, the zero rows between runs are left holes
+    (``RowWriter.zeros``): the file reads back as the dense gradient, hashed as it, and the disk holds
+    only the used rows (about U x H: 2048 tokens' rows of Qwen3-VL-8B's 151936 take 1 % of its 4.6 GiB)."""
     w = RowWriter(path, name, shape, grad.dtype)
+    ids = used.tolist()
     with _disable_current_modes():
-        for v0 in range(0, shape[0], CHUNK):
-            v1 = min(v0 + CHUNK, shape[0])
-            block = torch.zeros([v1 - v0, *shape[1:]], dtype=grad.dtype)
-            lo, hi = torch.searchsorted(used, v0), torch.searchsorted(used, v1)
-            block[used[lo:hi] - v0] = grad[lo:hi]
-            w.write(block)
+        row, start = 0, 0  # the next row of the file; the first used row of the current run
+        for k in range(1, len(ids) + 1):
+            if k == len(ids) or ids[k] != ids[k - 1] + 1:  # used rows ids[start:k] are consecutive
+                w.zeros(ids[start] - row)
+                for r0 in range(start, k, CHUNK):
+                    w.write(grad[r0 : min(k, r0 + CHUNK)])
+                row, start = ids[k - 1] + 1, k
+        w.zeros(shape[0] - row)
     return w.close()

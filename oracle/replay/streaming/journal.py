@@ -122,7 +122,7 @@ class Journal:
 
     def commit_file(self, unit: str, path: Path, entries: dict[str, dict]) -> None:
         """A shard written elsewhere (by rows, oracle/bundle/rows.py), fsynced and in place: journalled."""
-        self.written += path.stat().st_size
+        self.written += path.stat().st_size  # a token embedding's holes (rows.RowWriter.zeros) counted: an upper bound
         rec = {"kind": "unit", "unit": unit, "file": path.name, "entries": entries,
                "sha256": {n: e["sha256"] for n, e in entries.items()}}  # fmt: skip
         self.units[unit] = rec
