@@ -110,14 +110,16 @@ def hosts_plan(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int
     GEMMs over h x cores at ``TOKEN_PARALLEL_EFFICIENCY``, plus rank 0's share of adding the ranks' partial
     gradients (a binomial tree: ceil(log2 h) sets of its ``gradients`` bytes at ``RANK0_SUM_BYTES_PER_S``).
     A band member runs whole on one host (torchrun deals a band's members to its ranks round-robin,
-    replay/run.py): its share of its stage's fixed costs plus its GEMMs over one host's cores; the members
+    replay/run.py): its fixed costs (``member_fixed``, else its share of its stage's) plus its GEMMs over one
+    host's cores; the members
     (of every band) go longest first to the least loaded of their hosts."""
     truth = None if (est.get("truth") or {}).get("given") else est.get("truth")  # a truth given (--truth) runs nowhere
     members: list[float] = []
     for e in est.values():
         if e.get("members"):
             k, gemm = e["members"], e.get("gemm_seconds", 0.0)
-            members += [(e["seconds"] - gemm) / k + e.get("gemm_core_seconds", gemm * here) / k / cores] * k
+            fixed = e.get("member_fixed", (e["seconds"] - gemm) / k)  # alone on its host: none of it overlaps
+            members += [fixed + e.get("gemm_core_seconds", gemm * here) / k / cores] * k
 
     def truth_on(h: int) -> float:
         if not truth:
@@ -547,14 +549,21 @@ class Judge:
         for prec in precs:
             q = plans[prec]
             member = eta.member_seconds(prec, gemm_s(q), q["attention_calls"], probe) + q["parameter_seconds"]
-            est[f"band-{prec}"] = {"seconds": member * self.ensemble / self._spread(), "flops": q["total_flops"] * self.ensemble,
-                                   "gemm_seconds": gemm_s(q) * self.ensemble / self._spread(), "gemm_core_seconds": core_s(q) * self.ensemble,
-                                   "members": self.ensemble,
+            fixed = member - gemm_s(q)  # one member's costs beside its GEMMs: probes' worth, per-parameter work
+            # --nproc: the members' processes share this machine's cores, so their GEMMs do not overlap (the same
+            # FLOPs on the same cores); what overlaps is the rest, mostly one thread or the disk (weights read,
+            # gradients written and hashed). Measured on the 8B cut at 2048 tokens, a bf16 band of 2, one after the
+            # other on 2 cores: `--ensemble 2` 216.5 s, `--ensemble 2 --nproc 2 --threads 1` 192.6 s (0.89x; priced
+            # 0.5x before, as if each process had the machine to itself). The rank stages below are the serial sum.
+            est[f"band-{prec}"] = {"seconds": self.ensemble * (gemm_s(q) + fixed / self._spread()), "flops": q["total_flops"] * self.ensemble,
+                                   "gemm_seconds": gemm_s(q) * self.ensemble, "gemm_core_seconds": core_s(q) * self.ensemble,
+                                   "members": self.ensemble, "member_fixed": fixed,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         for i, lay in enumerate(self.layouts):  # TP x (the truth + every band member), in memory
-            serial = est["truth"]["seconds"] + sum(est[f"band-{p}"]["seconds"] * self._spread() for p in precs)
-            gemm = est["truth"]["gemm_seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] * self._spread() for p in precs)
+            serial = est["truth"]["seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] + self.ensemble * est[f"band-{p}"]["member_fixed"]
+                                                   for p in precs)  # fmt: skip
+            gemm = est["truth"]["gemm_seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] for p in precs)
             core = est["truth"]["gemm_core_seconds"] + sum(est[f"band-{p}"]["gemm_core_seconds"] for p in precs)
             est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm, "gemm_core_seconds": lay["tp"] * core,
                          "flops": lay["tp"] * (base["total_flops"] + sum(plans[p]["total_flops"] * self.ensemble for p in precs)),

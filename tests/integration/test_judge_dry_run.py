@@ -140,3 +140,35 @@ def test_band_members_are_priced_on_the_float32_probe_at_their_own_efficiency(fp
     assert weights + low * (1 - 1e-9) <= truth["estimated_seconds"] <= weights + high * (1 + 1e-9), truth
     assert truth["efficiency"] == pytest.approx(truth["total_flops"] / (1e9 * truth["estimated_seconds"]))
     assert "float32 GEMM probe 2.0 GFLOP/s" in plans.render(member) and "float64 GEMM probe 1.0" in plans.render(truth)
+
+
+def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp32_capture, amp_capture, tmp_path, monkeypatch):
+    """--nproc: a band's members run in processes on this machine's cores, so their GEMMs do not overlap (the same
+    FLOPs on the same cores) and the rest does (measured on the 8B cut: 0.89x of the members one after the other, not
+    the 0.5x it was priced at). A member alone on a host (hosts_plan) and the serial sums cost what they did."""
+    import itertools
+    import types
+
+    import torch
+
+    from oracle.bundle.store import Bundle
+    from oracle.pipeline import judge as judge_mod
+    from oracle.replay.streaming import plan as plans
+
+    # the same probes for both estimates: the GEMM rates, and the planner's wall time (1 s per plan)
+    monkeypatch.setattr(plans, "gemm_rate", lambda dtype=torch.float64, **_: {torch.float64: 1e9, torch.float32: 2e9}[dtype])
+    monkeypatch.setattr(plans, "gemm_rates", lambda dtypes, **_: {d: plans.gemm_rate(dtype=d) for d in dtypes})
+    monkeypatch.setattr(plans, "core_rates", lambda dtypes, **_: {d: plans.gemm_rate(dtype=d) / 2 for d in dtypes})
+    clock = itertools.count()
+    monkeypatch.setattr(judge_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    caps = [Bundle(fp32_capture), Bundle(amp_capture)]
+    one, two = (judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / f"j{n}", names=["a", "b"], ensemble=2, nproc=n,
+                                max_memory="8G").estimates(caps) for n in (1, 2))  # fmt: skip
+    bands = [s for s in one if s.startswith("band-")]
+    assert len(bands) == 2
+    for s in bands:
+        a, b = one[s], two[s]
+        assert b["gemm_seconds"] == a["gemm_seconds"] > 0 and b["member_fixed"] == a["member_fixed"] > 0
+        assert b["seconds"] == pytest.approx(a["seconds"] - 2 * a["member_fixed"] / 2)  # the fixed parts overlap
+        assert a["seconds"] / 2 < b["seconds"] < a["seconds"]
+    assert judge_mod.hosts_plan(two, 2, 64, 8) == pytest.approx(judge_mod.hosts_plan(one, 2, 64, 8))
