@@ -63,6 +63,8 @@ def _dry_run(opts: ReplayOptions, echo: Echo) -> int:
     p = plan.plan(Bundle(opts.capture), opts.dtype, streamed=budget is not None, budget=budget,
                   ranks=ranks if opts.split == "tokens" and opts.dtype == "fp64" else 1)  # fmt: skip
     echo(plan.render(p))
+    if opts.ensemble > 1 and opts.dtype != "fp64":  # render prices one member
+        echo(plan.render_band(p, opts.ensemble, max(1, min(opts.nproc, opts.ensemble))))
     if not p["fits"]:
         raise UsageError(p["refusal"])  # exactly what the run would refuse
     return 0

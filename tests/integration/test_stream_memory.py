@@ -159,6 +159,21 @@ def test_dry_run_refuses_where_the_run_would_and_needs_no_out(fp32_capture, tmp_
     assert Bundle(out).get("streaming")["max_memory"] == int(float(m[1]) * 2**30)
 
 
+def test_a_bands_dry_run_prices_its_members_one_after_the_other_and_at_once(fp32_capture):
+    """The plan prices one member; `--ensemble K` adds the band's line: K x that one after the other, and on
+    `--nproc` processes at once only the per-parameter work overlaps (their GEMMs share the cores); the bundle
+    holds K gradient sets."""
+    from oracle.replay.streaming.plan import render_band
+
+    p = {"estimated_seconds": 600.0, "parameter_seconds": 120.0, "disk": {"gradients": 2 * 2**30}}
+    assert render_band(p, 2, 1) == "  band     2 members: about 24.0 min here one after the other; their gradients 4.00 GiB in the bundle"
+    assert ", about 22.0 min on 2 processes at once (" in render_band(p, 2, 2)  # 2 x (600 + 120 / 2) s
+    cmd = ["replay", fp32_capture, "--dry-run", "--dtype", "bf16", "--max-memory", "8G"]
+    r = CliRunner().invoke(app, [*cmd, "--ensemble", "3", "--nproc", "2"])
+    assert r.exit_code == 0 and "\n  band     3 members: about " in r.output and " on 2 processes at once " in r.output, r.output
+    assert "\n  band " not in CliRunner().invoke(app, cmd).output  # one member: the plan's own line is the run's
+
+
 def test_replay_without_out_is_a_usage_error(fp32_capture):
     """Only --dry-run runs without --out: otherwise exit 2 with a message, no traceback."""
     r = CliRunner().invoke(app, ["replay", fp32_capture])
