@@ -111,8 +111,7 @@ def hosts_plan(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int
     gradients (a binomial tree: ceil(log2 h) sets of its ``gradients`` bytes at ``RANK0_SUM_BYTES_PER_S``).
     A band member runs whole on one host (torchrun deals a band's members to its ranks round-robin,
     replay/run.py): its fixed costs (``member_fixed``, else its share of its stage's) plus its GEMMs over one
-    host's cores; the members
-    (of every band) go longest first to the least loaded of their hosts."""
+    host's cores; the members (of every band) go longest first to the least loaded of their hosts."""
     truth = None if (est.get("truth") or {}).get("given") else est.get("truth")  # a truth given (--truth) runs nowhere
     members: list[float] = []
     for e in est.values():

@@ -378,8 +378,12 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
 
 
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
 def render(p: dict[str, Any]) -> str:
-    g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    g = _gib
     f = p["flops"]
     lines = [
         f"dry run: {p['recipe']} step, {p['tokens']} tokens in {len(p['samples'])} sample(s), {p['patches']} image patches, "
@@ -413,10 +417,9 @@ def render_band(p: dict[str, Any], members: int, processes: int) -> str:
     """The dry run's line for a band of ``members`` (``render`` prices one). On ``processes`` at once the members
     share this machine's cores: their GEMMs do not overlap, their per-parameter work does (judge.py's reasoning,
     measured on the 8B cut: 0.89-0.90x of one after the other on 2 processes of 1 thread, 2 cores)."""
-    g = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     one = p["estimated_seconds"] + p["parameter_seconds"]
     at_once = members * (p["estimated_seconds"] + p["parameter_seconds"] / processes)
     return (f"  band     {members} members: about {members * one / 60:.1f} min here one after the other"
             + (f", about {at_once / 60:.1f} min on {processes} processes at once (their GEMMs share the cores; peak memory "
                f"and budget per process)" if processes > 1 else "")
-            + f"; their gradients {g(members * p['disk']['gradients'])} in the bundle")
+            + f"; their gradients {_gib(members * p['disk']['gradients'])} in the bundle")
