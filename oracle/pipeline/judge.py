@@ -514,7 +514,7 @@ class Judge:
         this machine now (``eta.py``); a stage ``given`` (--truth, --band: made elsewhere) costs nothing here."""
         from ..integrations.megatron.merge import memory_need as merge_memory
         from ..replay.streaming.engine import rss_bytes
-        from ..replay.streaming.plan import core_rates, gemm_rates, plan
+        from ..replay.streaming.plan import band_wall, core_rates, gemm_rates, plan
         from ..score.scorer import memory_need as score_memory
 
         est: dict[str, dict[str, float]] = {}
@@ -554,15 +554,16 @@ class Judge:
             # gradients written and hashed). Measured on the 8B cut at 2048 tokens, a bf16 band of 2, one after the
             # other on 2 cores: `--ensemble 2` 216.5 s, `--ensemble 2 --nproc 2 --threads 1` 192.6 s (0.89x; priced
             # 0.5x before, as if each process had the machine to itself). The rank stages below are the serial sum.
-            est[f"band-{prec}"] = {"seconds": self.ensemble * (gemm_s(q) + fixed / self._spread()), "flops": q["total_flops"] * self.ensemble,
-                                   "gemm_seconds": gemm_s(q) * self.ensemble, "gemm_core_seconds": core_s(q) * self.ensemble,
-                                   "members": self.ensemble, "member_fixed": fixed,
+            rounds, gemm_wall = band_wall(self.ensemble, self._spread(), gemm_s(q))
+            est[f"band-{prec}"] = {"seconds": gemm_wall + rounds * fixed, "flops": q["total_flops"] * self.ensemble,
+                                   "gemm_seconds": gemm_wall, "gemm_core_seconds": core_s(q) * self.ensemble,
+                                   "members": self.ensemble, "member_gemm": gemm_s(q), "member_fixed": fixed,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
         for i, lay in enumerate(self.layouts):  # TP x (the truth + every band member), in memory
-            serial = est["truth"]["seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] + self.ensemble * est[f"band-{p}"]["member_fixed"]
+            serial = est["truth"]["seconds"] + sum(self.ensemble * (est[f"band-{p}"]["member_gemm"] + est[f"band-{p}"]["member_fixed"])
                                                    for p in precs)  # fmt: skip
-            gemm = est["truth"]["gemm_seconds"] + sum(est[f"band-{p}"]["gemm_seconds"] for p in precs)
+            gemm = est["truth"]["gemm_seconds"] + sum(self.ensemble * est[f"band-{p}"]["member_gemm"] for p in precs)
             core = est["truth"]["gemm_core_seconds"] + sum(est[f"band-{p}"]["gemm_core_seconds"] for p in precs)
             est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm, "gemm_core_seconds": lay["tp"] * core,
                          "flops": lay["tp"] * (base["total_flops"] + sum(plans[p]["total_flops"] * self.ensemble for p in precs)),

@@ -162,13 +162,18 @@ def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp3
     clock = itertools.count()
     monkeypatch.setattr(judge_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     caps = [Bundle(fp32_capture), Bundle(amp_capture)]
-    one, two = (judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / f"j{n}", names=["a", "b"], ensemble=2, nproc=n,
-                                max_memory="8G").estimates(caps) for n in (1, 2))  # fmt: skip
+    one, two, three = (judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / f"j{n}{k}", names=["a", "b"], ensemble=k,
+                                       nproc=n, max_memory="8G").estimates(caps) for n, k in ((1, 2), (2, 2), (2, 3)))  # fmt: skip
     bands = [s for s in one if s.startswith("band-")]
     assert len(bands) == 2
     for s in bands:
-        a, b = one[s], two[s]
-        assert b["gemm_seconds"] == a["gemm_seconds"] > 0 and b["member_fixed"] == a["member_fixed"] > 0
-        assert b["seconds"] == pytest.approx(a["seconds"] - 2 * a["member_fixed"] / 2)  # the fixed parts overlap
+        a, b, c = one[s], two[s], three[s]
+        gemm, fixed = a["member_gemm"], a["member_fixed"]
+        assert gemm > 0 and fixed > 0 and (b["member_gemm"], b["member_fixed"]) == (gemm, fixed)
+        assert a["seconds"] == pytest.approx(2 * (gemm + fixed)) and a["gemm_seconds"] == pytest.approx(2 * gemm)
+        assert b["gemm_seconds"] == pytest.approx(2 * gemm)  # the same cores: no faster
+        assert b["seconds"] == pytest.approx(2 * gemm + fixed)  # the fixed parts overlap
         assert a["seconds"] / 2 < b["seconds"] < a["seconds"]
+        # 3 members on 2 processes: one process runs 2 of them, each on half the cores (they are dealt whole)
+        assert c["seconds"] == pytest.approx(2 * (2 * gemm + fixed)) and c["seconds"] > 1.5 * b["seconds"]
     assert judge_mod.hosts_plan(two, 2, 64, 8) == pytest.approx(judge_mod.hosts_plan(one, 2, 64, 8))

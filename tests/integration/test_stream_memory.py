@@ -167,7 +167,9 @@ def test_a_bands_dry_run_prices_its_members_one_after_the_other_and_at_once(fp32
 
     p = {"estimated_seconds": 600.0, "parameter_seconds": 120.0, "disk": {"gradients": 2 * 2**30}}
     assert render_band(p, 2, 1) == "  band     2 members: about 24.0 min here one after the other; their gradients 4.00 GiB in the bundle"
-    assert ", about 22.0 min on 2 processes at once (" in render_band(p, 2, 2)  # 2 x (600 + 120 / 2) s
+    assert ", about 22.0 min on 2 processes at once (" in render_band(p, 2, 2)  # 2 x 600 + 120 s
+    assert ", about 44.0 min on 2 processes at once (" in render_band(p, 3, 2)  # one process runs 2 members at half speed
+    assert "about 48 s here one after the other" in render_band({**p, "estimated_seconds": 4.0, "parameter_seconds": 20.0}, 2, 1)
     cmd = ["replay", fp32_capture, "--dry-run", "--dtype", "bf16", "--max-memory", "8G"]
     r = CliRunner().invoke(app, [*cmd, "--ensemble", "3", "--nproc", "2"])
     assert r.exit_code == 0 and "\n  band     3 members: about " in r.output and " on 2 processes at once " in r.output, r.output

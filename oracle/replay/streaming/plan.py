@@ -413,13 +413,27 @@ def render(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def band_wall(members: int, processes: int, gemm: float) -> tuple[int, float]:
+    """(rounds, GEMM seconds) of a band's ``members`` on ``processes`` processes sharing this machine's cores
+    (``--nproc``; ``gemm``: one member's GEMMs with all of them). Members are dealt whole to the processes, so the
+    busiest runs ``rounds`` = ceil(members / processes) of them, each with 1/processes of the cores: its GEMMs
+    take processes x ``gemm``; its other work (one thread, the disk) is not slowed. One process: members x gemm."""
+    rounds = -(-members // processes)
+    return rounds, rounds * processes * gemm
+
+
 def render_band(p: dict[str, Any], members: int, processes: int) -> str:
     """The dry run's line for a band of ``members`` (``render`` prices one). On ``processes`` at once the members
-    share this machine's cores: their GEMMs do not overlap, their per-parameter work does (judge.py's reasoning,
+    share this machine's cores: their GEMMs do not overlap, their per-parameter work does (``band_wall``,
     measured on the 8B cut: 0.89-0.90x of one after the other on 2 processes of 1 thread, 2 cores)."""
     one = p["estimated_seconds"] + p["parameter_seconds"]
-    at_once = members * (p["estimated_seconds"] + p["parameter_seconds"] / processes)
-    return (f"  band     {members} members: about {members * one / 60:.1f} min here one after the other"
-            + (f", about {at_once / 60:.1f} min on {processes} processes at once (their GEMMs share the cores; peak memory "
-               f"and budget per process)" if processes > 1 else "")
+    rounds, gemm = band_wall(members, processes, p["estimated_seconds"])
+    return (f"  band     {members} members: about {_time(members * one)} here one after the other"
+            + (f", about {_time(gemm + rounds * p['parameter_seconds'])} on {processes} processes at once (their GEMMs "
+               f"share the cores; --max-memory holds for each process: {processes} x the peak above at once)"
+               if processes > 1 else "")
             + f"; their gradients {_gib(members * p['disk']['gradients'])} in the bundle")
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
