@@ -128,7 +128,7 @@ def judge(
     margin: Margin = None,
     dp_rank: Annotated[int | None, typer.Option(min=0, help="Merge: DP rank whose batch (all its micro-batches) is the step.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Replays spread over N local processes (as `oracle replay --nproc`).")] = 1,
-    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads per replay process: with --nproc each rank's (the stages the judge runs itself keep every core).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's time, FLOPs, memory and disk, then exit (needs no --out).")] = False,
     num_layers: Annotated[int | None, typer.Option(help="The logs alone: the model's decoder layers for the round-off bound (default: as many as the logs name).")] = None,
     truth: Annotated[Path | None, typer.Option("--truth", help="The float64 truth replayed elsewhere (over hosts: torchrun -m oracle replay CAP --out T --split tokens): taken as the truth stage once checked to be this step's.")] = None,

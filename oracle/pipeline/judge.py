@@ -103,6 +103,19 @@ def elsewhere(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int 
     return total
 
 
+def server_gemms(est: dict[str, dict[str, Any]], cores: int) -> tuple[float, float]:
+    """(the replays' GEMM seconds on one host of ``cores`` cores at this machine's per-core rate, as ``elsewhere``
+    counts them; the same FLOPs at one core's probe rate, ``floor_core_seconds``, over those cores). The second is
+    what no faster replay goes below on such cores (every GEMM at the probe's rate, nothing else costing): the
+    part of the server's figure that more cores or faster ones shrink and code does not."""
+    at = floor = 0.0
+    for e in est.values():
+        if "gemm_core_seconds" in e:
+            at += e["gemm_core_seconds"] / cores
+            floor += e.get("floor_core_seconds", e["gemm_core_seconds"]) / cores
+    return at, floor
+
+
 def hosts_plan(est: dict[str, dict[str, Any]], here: int, cores: int, hosts: int) -> tuple[float, int]:
     """(seconds, m): the replays of ``est`` over ``hosts`` hosts of ``cores`` cores, the band members on ``m``
     of them while the truth splits by tokens over the other ``hosts - m`` (m = 0: the truth on every host,
@@ -441,19 +454,26 @@ class Judge:
         self._threads()
         replay_local(cap, out, members=self.members, overwrite=overwrite, progress=True)
 
+    def own_threads(self) -> int | None:
+        """The threads of what this process runs itself (a streamed truth, a local replay, the score): --threads
+        without --nproc. With --nproc N, --threads is each of the N rank processes' (a band's members at once on
+        the same cores) and the stages run here keep every core: one process on one thread would leave the
+        others idle (a truth given --nproc 2 --threads 1 ran on half of 2 cores)."""
+        return self.threads if self.nproc <= 1 else None
+
     def _threads(self) -> None:
-        """--threads for a replay in this process (as `oracle replay --threads` sets it; a rank of --nproc
-        gets it from the launcher): the emulation's sums follow the thread count (precision/mode.py)."""
-        if self.threads:
+        """``own_threads`` for a replay in this process (as `oracle replay --threads` sets it; a rank of --nproc
+        gets --threads from the launcher): the emulation's sums follow the thread count (precision/mode.py)."""
+        if self.own_threads():
             import torch
 
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(self.own_threads())
 
     def score_workers(self) -> int:
-        """The score's threads (score/pool.py): ``--threads`` where given, else this process's cores."""
+        """The score's threads (score/pool.py): ``own_threads`` where given, else this process's cores."""
         from ..replay.options import cores
 
-        return self.threads or cores()
+        return self.own_threads() or cores()
 
     def _spread(self) -> int:
         """How many processes share a band's members (``--nproc``)."""
@@ -511,7 +531,19 @@ class Judge:
 
     def estimates(self, caps: list[Bundle], given: dict[str, Path] | None = None) -> dict[str, dict[str, float]]:
         """Per stage: seconds, flops, peak memory and disk (bytes), from the replay planner and a probe of
-        this machine now (``eta.py``); a stage ``given`` (--truth, --band: made elsewhere) costs nothing here."""
+        this machine now (``eta.py``) on the threads this process's stages run on (``own_threads``); a stage
+        ``given`` (--truth, --band: made elsewhere) costs nothing here."""
+        import torch
+
+        keep = torch.get_num_threads()
+        if self.own_threads():
+            torch.set_num_threads(self.own_threads())
+        try:
+            return self._estimates(caps, given)
+        finally:
+            torch.set_num_threads(keep)
+
+    def _estimates(self, caps: list[Bundle], given: dict[str, Path] | None) -> dict[str, dict[str, float]]:
         from ..integrations.megatron.merge import memory_need as merge_memory
         from ..replay.streaming.engine import rss_bytes
         from ..replay.streaming.plan import band_wall, core_rates, gemm_rates, plan
@@ -540,9 +572,11 @@ class Judge:
         core_s = lambda q: gemm_s(q) * rates[compute[q["dtype"]]] / cores[compute[q["dtype"]]]  # noqa: E731 -- one core's GEMM seconds
         disk = lambda q: q["disk"]["gradients"] + q["disk"]["spilled_activations"] + q["disk"]["resume_journal"]  # noqa: E731
         # a pass's per-parameter work (plan.PARAMETER_SECONDS) is a fixed cost: not in gemm_seconds, not shrunk by cores
+        # every FLOP at one core's probe rate: what no faster replay goes below on cores like these (server_gemms)
+        floor = lambda q: q["total_flops"] / cores[compute[q["dtype"]]]  # noqa: E731
         est["truth"] = {"seconds": eta.truth_seconds(gemm_s(base), base["attention_calls"], probe) + base["parameter_seconds"], "flops": base["total_flops"],
                         "gradients": base["disk"]["gradients"],
-                        "gemm_seconds": gemm_s(base), "gemm_core_seconds": core_s(base),
+                        "gemm_seconds": gemm_s(base), "gemm_core_seconds": core_s(base), "floor_core_seconds": floor(base),
                         "memory": base["memory"]["peak_estimate"], "disk": disk(base), "refusal": base["refusal"],
                         "fixed": base["memory"]["fixed"], "by": base["memory"]["reserve_by"]}  # fmt: skip
         for prec in precs:
@@ -557,6 +591,7 @@ class Judge:
             rounds, gemm_wall = band_wall(self.ensemble, self._spread(), gemm_s(q))
             est[f"band-{prec}"] = {"seconds": gemm_wall + rounds * fixed, "flops": q["total_flops"] * self.ensemble,
                                    "gemm_seconds": gemm_wall, "gemm_core_seconds": core_s(q) * self.ensemble,
+                                   "floor_core_seconds": floor(q) * self.ensemble,
                                    "members": self.ensemble, "member_gemm": gemm_s(q), "member_fixed": fixed,
                                    "memory": q["memory"]["peak_estimate"], "disk": q["disk"]["gradients"] * self.ensemble,
                                    "refusal": q["refusal"], "fixed": q["memory"]["fixed"], "by": q["memory"]["reserve_by"]}  # fmt: skip
@@ -565,7 +600,9 @@ class Judge:
                                                    for p in precs)  # fmt: skip
             gemm = est["truth"]["gemm_seconds"] + sum(self.ensemble * est[f"band-{p}"]["member_gemm"] for p in precs)
             core = est["truth"]["gemm_core_seconds"] + sum(est[f"band-{p}"]["gemm_core_seconds"] for p in precs)
+            low = est["truth"]["floor_core_seconds"] + sum(est[f"band-{p}"]["floor_core_seconds"] for p in precs)
             est[self.rank_stage(i)] = {"seconds": lay["tp"] * serial, "gemm_seconds": lay["tp"] * gemm, "gemm_core_seconds": lay["tp"] * core,
+                         "floor_core_seconds": lay["tp"] * low,
                          "flops": lay["tp"] * (base["total_flops"] + sum(plans[p]["total_flops"] * self.ensemble for p in precs)),
                          "memory": base["memory"]["peak_estimate"], "disk": 0}  # fmt: skip
         grads = base["disk"]["gradients"]
@@ -644,7 +681,7 @@ class Judge:
                 f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es))" for s in bands))
         import torch
 
-        here, f64 = torch.get_num_threads(), torch.float64
+        here, f64 = self.own_threads() or torch.get_num_threads(), torch.float64  # the probes' threads (estimates)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         lines.append(f"  GEMM probe now: float64 {self.rates[f64] / 1e9:.1f} GFLOP/s on {here} threads by the wall clock (the times "
                      f"here; load average {load:.1f} on {os.cpu_count()} cores), {self.core_rates[f64] / 1e9:.1f} GFLOP/s per core by "
@@ -653,9 +690,14 @@ class Judge:
             t = elsewhere(est, here, cores, hosts)
             where = f"on one {cores}-core server" if hosts == 1 else (f"on {hosts} hosts of {cores} cores (the replays under torchrun, "
                                                                       "given to the judge: --truth, --band)")  # fmt: skip
+            if hosts == 1:
+                at, floor = server_gemms(est, cores)
+                lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs {duration(at)} at this machine's per-core rate on {cores} "
+                             f"cores, {duration(floor)} with every FLOP at its probe's rate; their fixed costs and the other stages "
+                             f"{duration(t - at)} as here)")  # fmt: skip
+                continue
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
-                         + (self._hosts_split(est, here, cores, hosts) if hosts > 1 else "")
-                         + ", their fixed costs and the other stages as here)")  # fmt: skip
+                         + self._hosts_split(est, here, cores, hosts) + ", their fixed costs and the other stages as here)")  # fmt: skip
         return "\n".join(lines), refused
 
     @staticmethod

@@ -4,6 +4,8 @@ and the run exit 2 before any replay (the run leaves no --out behind)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import run_oracle
 
@@ -177,3 +179,87 @@ def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp3
         # 3 members on 2 processes: one process runs 2 of them, each on half the cores (they are dealt whole)
         assert c["seconds"] == pytest.approx(2 * (2 * gemm + fixed)) and c["seconds"] > 1.5 * b["seconds"]
     assert judge_mod.hosts_plan(two, 2, 64, 8) == pytest.approx(judge_mod.hosts_plan(one, 2, 64, 8))
+
+
+def test_the_server_figure_says_its_gemms_and_what_they_cost_at_the_probes_full_rate(fp32_capture, amp_capture, tmp_path, monkeypatch):
+    """The one-server line splits its figure: the replays' GEMMs at this machine's per-core rate on the server's
+    cores, the same FLOPs at one core's probe rate (the floor no faster replay goes below on such cores), and the
+    fixed costs and other stages as here. The floor is each replay's FLOPs over its compute dtype's core probe
+    (a member's float32), a band's times its members, a TP rank stage's times its ranks."""
+    import itertools
+    import re
+    import types
+
+    import torch
+
+    from oracle.bundle.store import Bundle
+    from oracle.pipeline import judge as judge_mod
+    from oracle.pipeline.stages import duration
+    from oracle.replay.streaming import plan as plans
+
+    monkeypatch.setattr(plans, "gemm_rate", lambda dtype=torch.float64, **_: {torch.float64: 1e5, torch.float32: 2e5}[dtype])  # slow: minutes on a tiny model
+    monkeypatch.setattr(plans, "gemm_rates", lambda dtypes, **_: {d: plans.gemm_rate(dtype=d) for d in dtypes})
+    monkeypatch.setattr(plans, "core_rates", lambda dtypes, **_: {d: plans.gemm_rate(dtype=d) / 2 for d in dtypes})
+    clock = itertools.count()
+    monkeypatch.setattr(judge_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    j = judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / "j", names=["a", "b"], ensemble=2, max_memory="8G")
+    caps = [Bundle(fp32_capture), Bundle(amp_capture)]
+    est = j.estimates(caps)
+    truth = plans.plan(caps[0], "fp64", streamed=True, budget=8 << 30)
+    assert est["truth"]["floor_core_seconds"] == pytest.approx(truth["total_flops"] / 0.5e5)  # the float64 core probe
+    bands = [s for s in est if s.startswith("band-")]
+    assert bands
+    for s in bands:
+        member = plans.plan(caps[0], s.removeprefix("band-"), streamed=True, budget=8 << 30)
+        assert est[s]["floor_core_seconds"] == pytest.approx(2 * member["total_flops"] / 1e5)  # 2 members, float32 core probe
+        assert est[s]["gemm_core_seconds"] > est[s]["floor_core_seconds"]  # priced below the probe's full rate
+    at, floor = judge_mod.server_gemms(est, 64)
+    assert at == pytest.approx(sum(e["gemm_core_seconds"] for e in est.values() if "gemm_core_seconds" in e) / 64)
+    assert floor == pytest.approx(sum(e["floor_core_seconds"] for e in est.values() if "floor_core_seconds" in e) / 64)
+    assert 60 < floor < at < judge_mod.elsewhere(est, torch.get_num_threads(), 64)  # figures the line shows in minutes
+    text, _ = j.dry_run()
+    line = next(ln for ln in text.splitlines() if "on one 64-core server" in ln)
+    rest = judge_mod.elsewhere(j.estimates(caps), torch.get_num_threads(), 64) - at  # the probes pinned: the same estimate
+    for figure in (at, floor, rest):
+        assert f" {duration(figure)} " in line, (duration(figure), line)
+    assert re.search(r"GEMMs .+ at this machine's per-core rate on 64 cores, .+ with every FLOP at its probe's rate", line), line
+
+
+def test_threads_are_each_ranks_under_nproc_and_this_processes_without(fp32_capture, amp_capture, tmp_path, monkeypatch):
+    """--threads T alone: the replays and the score in the judge's process run on T threads, and the dry run probes
+    this machine on T (its times are theirs). --nproc N --threads T: T is each rank process's (a band's members at
+    once), and what the judge runs itself (the streamed truth, the score) keeps every core, probed on them."""
+    import torch
+
+    from oracle.bundle.store import Bundle
+    from oracle.replay import run as run_mod
+    from oracle.replay.options import cores
+    from oracle.replay.streaming import plan as plans
+
+    seen: dict[str, int] = {}
+    real_rates = plans.gemm_rates
+
+    def rates(dtypes, **kw):
+        seen["probe"] = torch.get_num_threads()
+        return real_rates(dtypes, n=64, rounds=1)
+
+    monkeypatch.setattr(plans, "gemm_rates", rates)
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: seen.__setitem__("replay", torch.get_num_threads()))
+    keep = torch.get_num_threads()
+    caps = [Bundle(fp32_capture), Bundle(amp_capture)]
+    try:
+        alone = Judge(fp32_capture, amp_capture, out=tmp_path / "a", names=["a", "b"], threads=1, max_memory="8G")
+        alone.estimates(caps)
+        assert seen["probe"] == 1 and torch.get_num_threads() == keep  # probed on 1 thread, the threads given back
+        assert " on 1 threads by the wall clock" in alone.dry_run()[0]
+        alone._replay(Path(fp32_capture), tmp_path / "t", True, "fp64")
+        assert seen["replay"] == 1 and alone.score_workers() == 1
+        torch.set_num_threads(keep)
+        ranks = Judge(fp32_capture, amp_capture, out=tmp_path / "r", names=["a", "b"], threads=1, nproc=2, max_memory="8G")
+        ranks.estimates(caps)
+        assert seen["probe"] == keep
+        ranks._replay(Path(fp32_capture), tmp_path / "t", True, "fp64")  # the streamed truth: in this process
+        assert seen["replay"] == keep and ranks.score_workers() == cores()
+        assert f" on {keep} threads by the wall clock" in ranks.dry_run()[0]
+    finally:
+        torch.set_num_threads(keep)
