@@ -678,7 +678,8 @@ class Judge:
         if bands and est.get("truth", {}).get("seconds"):
             t = est["truth"]["seconds"]
             lines.append("  the noise band next to the truth: " + ", ".join(
-                f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es))" for s in bands))
+                f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es)"
+                + (f": one per member, of --nproc {self.nproc}" if self.nproc > self.ensemble else "") + ")" for s in bands))
         import torch
 
         here, f64 = self.own_threads() or torch.get_num_threads(), torch.float64  # the probes' threads (estimates)

@@ -179,6 +179,10 @@ def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp3
         # 3 members on 2 processes: one process runs 2 of them, each on half the cores (they are dealt whole)
         assert c["seconds"] == pytest.approx(2 * (2 * gemm + fixed)) and c["seconds"] > 1.5 * b["seconds"]
     assert judge_mod.hosts_plan(two, 2, 64, 8) == pytest.approx(judge_mod.hosts_plan(one, 2, 64, 8))
+    # more processes than members: one per member, and the line says why it is not --nproc
+    said = judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / "j4", names=["a", "b"], ensemble=2, nproc=4,
+                           max_memory="8G").dry_run()[0]  # fmt: skip
+    assert "(2 members in float32, 2 process(es): one per member, of --nproc 4)" in said, said
 
 
 def test_the_server_figure_says_its_gemms_and_what_they_cost_at_the_probes_full_rate(fp32_capture, amp_capture, tmp_path, monkeypatch):
