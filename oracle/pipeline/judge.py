@@ -588,8 +588,8 @@ class Judge:
             # gradients written and hashed). Measured on the 8B cut at 2048 tokens, a bf16 band of 2, one after the
             # other on 2 cores: `--ensemble 2` 216.5 s, `--ensemble 2 --nproc 2 --threads 1` 192.6 s (0.89x; priced
             # 0.5x before, as if each process had the machine to itself). The rank stages below are the serial sum.
-            rounds, gemm_wall = band_wall(self.ensemble, self._spread(), gemm_s(q))
-            est[f"band-{prec}"] = {"seconds": gemm_wall + rounds * fixed, "flops": q["total_flops"] * self.ensemble,
+            wall, gemm_wall = band_wall(self.ensemble, self._spread(), gemm_s(q), fixed)
+            est[f"band-{prec}"] = {"seconds": wall, "flops": q["total_flops"] * self.ensemble,
                                    "gemm_seconds": gemm_wall, "gemm_core_seconds": core_s(q) * self.ensemble,
                                    "floor_core_seconds": floor(q) * self.ensemble,
                                    "members": self.ensemble, "member_gemm": gemm_s(q), "member_fixed": fixed,

@@ -167,8 +167,11 @@ def test_a_bands_dry_run_prices_its_members_one_after_the_other_and_at_once(fp32
 
     p = {"estimated_seconds": 600.0, "parameter_seconds": 120.0, "disk": {"gradients": 2 * 2**30}}
     assert render_band(p, 2, 1) == "  band     2 members: about 24.0 min here one after the other; their gradients 4.00 GiB in the bundle"
-    assert ", about 22.0 min on 2 processes at once (" in render_band(p, 2, 2)  # 2 x 600 + 120 s
+    assert ", about 22.0 min on 2 processes at once (" in render_band(p, 2, 2)  # 2 x 600 + 120 s (+ 2 s of start-up)
     assert ", about 44.0 min on 2 processes at once (" in render_band(p, 3, 2)  # one process runs 2 members at half speed
+    # a small model: the processes' start-up is most of it (measured: 4.5-4.8 s in one process, 6.4-6.7 s in 2)
+    small = {**p, "estimated_seconds": 0.2, "parameter_seconds": 0.1}
+    assert "about 1 s here one after the other, about 2 s on 2 processes at once" in render_band(small, 2, 2)
     assert "about 48 s here one after the other" in render_band({**p, "estimated_seconds": 4.0, "parameter_seconds": 20.0}, 2, 1)
     cmd = ["replay", fp32_capture, "--dry-run", "--dtype", "bf16", "--max-memory", "8G"]
     r = CliRunner().invoke(app, [*cmd, "--ensemble", "3", "--nproc", "2"])

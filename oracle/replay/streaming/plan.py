@@ -413,13 +413,22 @@ def render(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def band_wall(members: int, processes: int, gemm: float) -> tuple[int, float]:
-    """(rounds, GEMM seconds) of a band's ``members`` on ``processes`` processes sharing this machine's cores
-    (``--nproc``; ``gemm``: one member's GEMMs with all of them). Members are dealt whole to the processes, so the
-    busiest runs ``rounds`` = ceil(members / processes) of them, each with 1/processes of the cores: its GEMMs
-    take processes x ``gemm``; its other work (one thread, the disk) is not slowed. One process: members x gemm."""
+# What --nproc's rank processes add to a replay's wall time before their first unit (interpreter, torch,
+# transformers' model module, oracle; each rank on its own core, at once): a tiny Qwen3-VL band of 2 (`oracle replay
+# CAP --dtype amp-bf16 --ensemble 2`, whole commands, 2 cores) took 4.52 / 4.84 s in one process and 6.39 / 6.68 s
+# with `--nproc 2 --threads 1`. Seconds of hours at the user's scale; the whole cost on a small model.
+PROCESS_START_SECONDS = 2.0
+
+
+def band_wall(members: int, processes: int, gemm: float, fixed: float) -> tuple[float, float]:
+    """(wall seconds, GEMM seconds) of a band's ``members`` on ``processes`` processes sharing this machine's cores
+    (``--nproc``; ``gemm``: one member's GEMMs with all of them, ``fixed``: its other work). Members are dealt whole
+    to the processes, so the busiest runs ceil(members / processes) of them, each with 1/processes of the cores: its
+    GEMMs take processes x ``gemm``; its other work (one thread, the disk) is not slowed; the processes start
+    first (PROCESS_START_SECONDS). One process: members x (gemm + fixed)."""
     rounds = -(-members // processes)
-    return rounds, rounds * processes * gemm
+    gemm_wall = rounds * processes * gemm
+    return gemm_wall + rounds * fixed + (PROCESS_START_SECONDS if processes > 1 else 0.0), gemm_wall
 
 
 def render_band(p: dict[str, Any], members: int, processes: int) -> str:
@@ -427,9 +436,9 @@ def render_band(p: dict[str, Any], members: int, processes: int) -> str:
     share this machine's cores: their GEMMs do not overlap, their per-parameter work does (``band_wall``,
     measured on the 8B cut: 0.89-0.90x of one after the other on 2 processes of 1 thread, 2 cores)."""
     one = p["estimated_seconds"] + p["parameter_seconds"]
-    rounds, gemm = band_wall(members, processes, p["estimated_seconds"])
+    wall, _ = band_wall(members, processes, p["estimated_seconds"], p["parameter_seconds"])
     return (f"  band     {members} members: about {_time(members * one)} here one after the other"
-            + (f", about {_time(gemm + rounds * p['parameter_seconds'])} on {processes} processes at once (their GEMMs "
+            + (f", about {_time(wall)} on {processes} processes at once (their GEMMs "
                f"share the cores; --max-memory holds for each process: {processes} x the peak above at once)"
                if processes > 1 else "")
             + f"; their gradients {_gib(members * p['disk']['gradients'])} in the bundle")
