@@ -19,17 +19,18 @@ Echo = Callable[[str], None]
 
 def replay(opts: ReplayOptions, echo: Echo = print) -> int:
     """Replay ``opts.capture`` as ``opts`` says; 0 on success (errors raise OracleError, as everywhere)."""
-    if opts.nproc > 1 and not opts.dry_run:
+    if opts.processes() > 1 and not opts.dry_run:
         from ..bundle.store import check_output
         from ..replay.ranks import launch_ranks
 
+        _check_tensor_split(opts)
         check_output(opts.out, opts.overwrite)  # the launcher claims --out for its ranks (atomic.claim), dropped at its exit
         return launch_ranks(opts)
     import torch
 
-    torch.set_num_threads(opts.cpu_threads())
     if opts.dry_run:
         return _dry_run(opts, echo)
+    torch.set_num_threads(opts.cpu_threads())
     from ..parallel import distributed
 
     if opts.local:
@@ -54,17 +55,37 @@ def replay(opts: ReplayOptions, echo: Echo = print) -> int:
     return 0
 
 
+def _check_tensor_split(opts: ReplayOptions) -> None:
+    """A float64 replay split by tensors over --nproc ranks needs heads and MLP columns that divide by them:
+    refused here, once, before its ranks start (or a dry run prices it)."""
+    if opts.dtype == "fp64" and opts.split == "tensor" and opts.processes() > 1 and not opts.local:
+        from ..bundle.store import Bundle
+        from ..parallel.tensor_parallel import check_capture
+
+        check_capture(Bundle(opts.capture), opts.processes())
+
+
 def _dry_run(opts: ReplayOptions, echo: Echo) -> int:
+    import torch
+
     from ..bundle.store import Bundle
+    from ..parallel.launch import per_rank_threads
+    from ..replay.options import cores
     from ..replay.streaming import plan
 
-    ranks = opts.nproc if opts.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))  # per rank where the tokens are split
+    _check_tensor_split(opts)
+    local = opts.processes()  # --nproc's ranks share this machine: the probe runs on the threads they use together
+    torch.set_num_threads(min(cores(), local * per_rank_threads(local, opts.threads)) if local > 1 else opts.cpu_threads())
+    ranks = local if local > 1 else int(os.environ.get("WORLD_SIZE", "1"))  # per rank where the tokens are split
     budget = opts.budget
-    p = plan.plan(Bundle(opts.capture), opts.dtype, streamed=budget is not None, budget=budget,
-                  ranks=ranks if opts.split == "tokens" and opts.dtype == "fp64" else 1)  # fmt: skip
+    tokens = opts.split == "tokens" and opts.dtype == "fp64"
+    p = plan.plan(Bundle(opts.capture), opts.dtype, streamed=budget is not None, budget=budget, ranks=ranks if tokens else 1)
+    if opts.dtype == "fp64" and local > 1:  # the ranks' GEMMs share this machine's cores: one process's time, not 1/ranks of it
+        p["estimated_seconds"] *= local if tokens else 1
+        p["shared"] = local
     echo(plan.render(p))
     if opts.ensemble > 1 and opts.dtype != "fp64":  # render prices one member
-        echo(plan.render_band(p, opts.ensemble, max(1, min(opts.nproc, opts.ensemble))))
+        echo(plan.render_band(p, opts.ensemble, opts.processes()))
     if not p["fits"]:
         raise UsageError(p["refusal"])  # exactly what the run would refuse
     return 0

@@ -292,7 +292,7 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
 
     rc = launch_ranks(opts, echo=lambda line: echo(f"  {line}"))
     if rc:
-        raise StageFailed(f"{what} stopped (exit {rc}) on {opts.nproc} ranks; rerun `oracle judge` to resume", rc)
+        raise StageFailed(f"{what} stopped (exit {rc}) on {opts.processes()} ranks; rerun `oracle judge` to resume", rc)
 
 
 def _a(word: str) -> str:
@@ -397,13 +397,13 @@ class Judge:
         """A stage's replay into ``out`` inside the judge's own folder: its streamed work folder, if one of ours
         is left there for other inputs (a killed run before a capture changed), is the judge's to replace
         (``replace_work="any-ours"``, a narrower power than a user's --overwrite: streaming/workdir.py)."""
-        # The streamed float64 truth runs in this one process on every core, --nproc or not: split by tokens over
-        # ranks of one host it is slower (the ranks' exchanges and rank 0's sum of their partial gradients): the
-        # hidden-1024 x 4-layer Qwen3 step at 4096 tokens, --max-memory 8G, 2 cores, two pairs: 41.2 / 41.6 s in one
-        # process of 2 threads, 50.2 / 47.5 s split over 2 ranks of 1 thread. Over several hosts the token split is
-        # what uses them: run it there with torchrun and give it to the judge (--truth; given_check()).
-        tp_ok = dtype != "fp64" or self.budget is None  # the TP float64 replay runs in memory
-        if self.nproc > 1 and tp_ok:
+        # The float64 truth runs in this one process on every core, --nproc or not: split by tokens over ranks of one
+        # host it is slower (the ranks' exchanges and rank 0's sum of their partial gradients): the hidden-1024 x
+        # 4-layer Qwen3 step at 4096 tokens, --max-memory 8G, 2 cores, two pairs: 41.2 / 41.6 s in one process of 2
+        # threads, 50.2 / 47.5 s split over 2 ranks of 1 thread; split by tensors (in memory) it has no certificate
+        # and needs heads that divide by --nproc. Over several hosts the token split is what uses them: run it there
+        # with torchrun and give it to the judge (--truth; given_check()). A band's members go to the ranks whole.
+        if self._spread() > 1 and dtype != "fp64":
             opts = ReplayOptions(capture=cap, out=out, dtype=dtype, ensemble=ensemble, max_memory=self.max_memory,
                                  nproc=self.nproc, threads=self.threads, overwrite=True, replace_work="any-ours")  # fmt: skip
             _ranks(opts, f"replay {dtype}", self._echo)

@@ -23,6 +23,22 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def check_spread(dtype: str, ensemble: int, split: str, ranks: int, streamed: bool, verify: str) -> None:
+    """The rules between the precision, the band and how ``ranks`` processes share a replay, for ReplayOptions
+    (``ranks`` = --nproc: refused before any rank starts or any dry run prices it) and for replay/run.py (``ranks``
+    = torchrun's world): one text for both."""
+    if dtype == "fp64" and ensemble != 1:
+        raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
+    if split == "tokens" and dtype != "fp64":
+        raise UsageError("--split tokens splits the float64 oracle; emulated members spread over the ranks whole: drop --split")
+    if ranks > 1 and dtype == "fp64" and verify == "on":
+        raise UsageError(f"the {'token' if split == 'tokens' else 'tensor'}-parallel float64 replay ({ranks} ranks) has no "
+                         "certificate: drop --verify, or replay with one process")  # fmt: skip
+    if ranks > 1 and dtype == "fp64" and streamed and split != "tokens":
+        raise UsageError(f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory: drop --max-memory, "
+                         "or stream it split by tokens (--split tokens)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     capture: str
@@ -71,6 +87,8 @@ class ReplayOptions:
             raise UsageError("--modules and --workers apply to --local replays only")
         if self.max_memory is not None:
             self.budget  # noqa: B018  (parsed once here: a malformed size is refused before any work)
+        if not self.local:
+            check_spread(self.dtype, self.ensemble, self.split, self.nproc, self.max_memory is not None, self.verify_mode)
 
     @property
     def budget(self) -> int | None:
@@ -89,6 +107,12 @@ class ReplayOptions:
         """The thread policy bitwise repeatability depends on: --threads, else every core of this
         process (a rank of --nproc receives its share as --threads from the launcher)."""
         return self.threads or cores()
+
+    def processes(self) -> int:
+        """The rank processes --nproc starts: an emulated band's members go to them whole (round-robin), so no more
+        than its members (--nproc 4 --ensemble 2 started 2 ranks with nothing to do); a float64 replay splits over
+        all --nproc."""
+        return min(self.nproc, self.ensemble) if self.dtype != "fp64" and not self.local else self.nproc
 
     def for_rank(self, threads: int) -> dict[str, Any]:
         """This replay as one rank of --nproc runs it: the same options, one process, its threads."""

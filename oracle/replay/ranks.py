@@ -14,7 +14,8 @@ from .streaming import pages
 
 
 def launch_ranks(opts: ReplayOptions, echo: Callable[[str], None] | None = None) -> int:
-    """``opts`` on ``opts.nproc`` ranks; the exit code of the whole run. ``echo``: the ranks' stdout lines."""
-    threads = per_rank_threads(opts.nproc, opts.threads)
+    """``opts`` on ``opts.processes()`` ranks; the exit code of the whole run. ``echo``: the ranks' stdout lines."""
+    n = opts.processes()
+    threads = per_rank_threads(n, opts.threads)
     env = pages.tunable_env(dict(os.environ)) if opts.max_memory is not None else {}
-    return launch(opts.nproc, {"command": "replay", "options": opts.for_rank(threads)}, threads, env=env, echo=echo)
+    return launch(n, {"command": "replay", "options": opts.for_rank(threads)}, threads, env=env, echo=echo)

@@ -39,6 +39,7 @@ from . import fused
 from .certify import finite_difference_certificate
 from .inputs import check_inputs
 from .loss import chunked_head
+from .options import check_spread
 from .setup import carry_inputs_and_weights, load_inputs, recipe_of, recorded_boundaries, use_fused, use_replay_attention
 
 VERIFY_AUTO_MAX_PARAMS = 50_000_000  # finite differences cost 2K extra forwards: cheap below this
@@ -115,8 +116,6 @@ def replay(
         raise UsageError(f"replace_work is 'this-step' or 'any-ours', got {replace_work!r}")
     if split not in ("tensor", "tokens"):
         raise UsageError(f"--split is 'tensor' or 'tokens', got {split!r}")
-    if split == "tokens" and dtype != "fp64":
-        raise UsageError("--split tokens splits the float64 oracle; emulated members spread over the ranks whole: drop --split")
     if ensemble < 1:
         raise UsageError("--ensemble must be at least 1")
     cap = Bundle(capture)
@@ -144,15 +143,8 @@ def replay(
     }
     if cap.get("megatron"):
         base["megatron"] = cap.get("megatron")  # the rank view needs the layout the capture came from
-    if dtype == "fp64" and ensemble != 1:
-        raise UsageError("--ensemble applies to emulated low-precision replays, not to --dtype fp64")
     ranks = distributed.world()
-    if ranks > 1 and dtype == "fp64" and verify == "on":
-        raise UsageError(f"the {'token' if split == 'tokens' else 'tensor'}-parallel float64 replay ({ranks} ranks) has no "
-                         "certificate: drop --verify, or replay with one process")  # fmt: skip
-    if ranks > 1 and dtype == "fp64" and max_memory is not None and split != "tokens":
-        raise UsageError(f"the tensor-parallel float64 replay ({ranks} ranks) runs in memory: drop --max-memory, "
-                         "or stream it split by tokens (--split tokens)")  # fmt: skip
+    check_spread(dtype, ensemble, split, ranks, max_memory is not None, verify)
     distributed.init()
     if max_memory is not None:
         if verify == "on":

@@ -175,7 +175,7 @@ def test_nproc_hands_the_ranks_the_validated_options_not_a_command_line(cap, tmp
     r = CliRunner().invoke(app, ["replay", str(cap), "--out", str(tmp_path / "x"), "--dtype", "amp-bf16", "--ensemble", "3",
                                  "--max-memory", "2G", "--no-verify", "--nproc", "4", "--threads", "2"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert seen["nproc"] == 4 and seen["threads"] == 2
+    assert seen["nproc"] == 3 and seen["threads"] == 2  # one rank per member (3), not --nproc 4
     assert seen["request"]["command"] == "replay"
     o = seen["request"]["options"]
     assert json.loads(json.dumps(seen["request"])) == seen["request"]  # JSON as it travels
@@ -183,6 +183,59 @@ def test_nproc_hands_the_ranks_the_validated_options_not_a_command_line(cap, tmp
     assert (o["dtype"], o["ensemble"], o["max_memory"], o["verify"]) == ("amp-bf16", 3, "2G", False)
     if sys.platform.startswith("linux"):
         assert "glibc.malloc.hugetlb=1" in seen["env"]["GLIBC_TUNABLES"]
+
+
+def test_nproc_starts_no_rank_without_work_and_refuses_an_uneven_split_before_any_starts(cap, tmp_path, monkeypatch):
+    """A band of 2 on --nproc 4 starts 2 ranks (each with the cores of 2), one member starts none (it runs here); a
+    float64 split by tensors whose heads do not divide by --nproc is refused once, exit 2, before any rank starts,
+    and so is its dry run (which used to price it and exit 0)."""
+    starts = []
+    monkeypatch.setattr("oracle.replay.ranks.launch", lambda nproc, request, threads, **_: starts.append((nproc, threads)) or 0)
+    base = ["replay", str(cap), "--dtype", "amp-bf16", "--no-verify"]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b"), "--ensemble", "2", "--nproc", "4"])
+    assert r.exit_code == 0, r.output
+    from oracle.parallel.launch import per_rank_threads
+
+    assert starts == [(2, per_rank_threads(2, None))]
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "one"), "--nproc", "2"])
+    assert r.exit_code == 0 and len(starts) == 1, r.output  # one member: replayed in this process
+    assert Bundle(tmp_path / "one").get("precision") == "amp-bf16"
+    for extra in (["--out", str(tmp_path / "tp")], ["--dry-run"]):
+        r = CliRunner().invoke(app, ["replay", str(cap), "--nproc", "3", *extra])
+        assert r.exit_code == 2 and r.output.count("are not divisible by 3") == 1, r.output
+    assert len(starts) == 1 and not (tmp_path / "tp").exists()
+
+
+def test_a_dry_run_on_nproc_ranks_prices_them_sharing_this_machines_cores(cap, monkeypatch):
+    """--split tokens --nproc 2: each rank computes half the rows on half the cores, so the dry run prices the GEMMs
+    of one process (it priced half of that, as if each rank had the machine), probed on the threads the ranks use
+    together, and says why; the memory and disk stay per rank."""
+    import torch
+
+    from oracle.replay.options import cores
+    from oracle.replay.streaming import plan as plans
+
+    seen = []
+    real = plans.render
+
+    def render(p):
+        seen.append((dict(p), torch.get_num_threads()))
+        return real(p)
+
+    monkeypatch.setattr(plans, "gemm_rate", lambda dtype=torch.float64, **_: 1e9)
+    monkeypatch.setattr(plans, "render", render)
+    keep = torch.get_num_threads()
+    try:
+        one = CliRunner().invoke(app, ["replay", str(cap), "--dry-run", "--max-memory", "4G"])
+        split = CliRunner().invoke(app, ["replay", str(cap), "--dry-run", "--max-memory", "4G", "--split", "tokens", "--nproc", "2"])
+    finally:
+        torch.set_num_threads(keep)
+    assert one.exit_code == 0 and split.exit_code == 0, one.output + split.output
+    (p1, _), (p2, threads) = seen
+    assert p2["ranks"] == 2 and p2["estimated_seconds"] == pytest.approx(p1["estimated_seconds"])  # not half of it
+    assert threads == min(cores(), 2 * max(1, cores() // 2))
+    assert "  ranks    2 on this machine (--nproc): their GEMMs share its cores" in split.output
+    assert "per rank of 2 (split by tokens)" in split.output and "  ranks " not in one.output
 
 
 def test_the_worker_runs_a_request_and_speaks_like_the_cli(cap, tmp_path):

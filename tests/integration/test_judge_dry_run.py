@@ -266,5 +266,15 @@ def test_threads_are_each_ranks_under_nproc_and_this_processes_without(fp32_capt
         ranks._replay(Path(fp32_capture), tmp_path / "t", True, "fp64")  # the streamed truth: in this process
         assert seen["replay"] == keep and ranks.score_workers() == cores()
         assert f" on {keep} threads by the wall clock" in ranks.dry_run()[0]
+        # in memory too: the truth is this process's (split by tensors over ranks it had no certificate, and heads
+        # that did not divide by --nproc failed the stage); only a band's members go to the ranks
+        launched = []
+        monkeypatch.setattr("oracle.replay.ranks.launch", lambda n, request, threads, **_: launched.append(request["options"]["dtype"]) or 0)
+        inmem = Judge(fp32_capture, amp_capture, out=tmp_path / "m", names=["a", "b"], threads=1, nproc=3)
+        seen.pop("replay")
+        inmem._replay(Path(fp32_capture), tmp_path / "t", True, "fp64")
+        assert seen["replay"] == keep and launched == []
+        inmem._replay(Path(fp32_capture), tmp_path / "t", True, "bf16", 2)
+        assert launched == ["bf16"]
     finally:
         torch.set_num_threads(keep)

@@ -24,6 +24,13 @@ RULES = [
     (dict(capture="c", out="o", threads=True), "--threads True"),
     (dict(capture="c", out="o", max_memory="lots"), "--max-memory 'lots'"),
     (dict(capture="c", out="o", replace_work="all"), "replace_work 'all'"),
+    # how ranks share the replay: refused by the options, so a dry run and --nproc's launcher refuse them too
+    (dict(capture="c", out="o", ensemble=2), "--ensemble applies to emulated low-precision replays"),
+    (dict(capture="c", dry_run=True, ensemble=2), "--ensemble applies to emulated low-precision replays"),
+    (dict(capture="c", out="o", dtype="bf16", split="tokens"), "--split tokens splits the float64 oracle"),
+    (dict(capture="c", out="o", nproc=2, max_memory="4G"), "the tensor-parallel float64 replay (2 ranks) runs in memory"),
+    (dict(capture="c", dry_run=True, nproc=2, max_memory="4G"), "runs in memory: drop --max-memory"),
+    (dict(capture="c", out="o", nproc=2, split="tokens", verify=True), "the token-parallel float64 replay (2 ranks) has no certificate"),
 ]
 
 
@@ -50,6 +57,17 @@ def test_replay_options_travel_as_json_and_come_back_equal():
     assert (back.capture, back.dtype, back.ensemble, back.verify_mode) == ("c", "amp-bf16", 3, "off")
     with pytest.raises(UsageError, match="unknown surprise"):
         ReplayOptions.from_dict({**d, "surprise": 1})
+
+
+def test_a_bands_ranks_are_no_more_than_its_members():
+    """--nproc's processes: an emulated band's members go to them whole, so min(--nproc, members); a float64 replay
+    (split by tensors or tokens) and a local replay use every --nproc."""
+    assert ReplayOptions(capture="c", out="o", dtype="amp-bf16", ensemble=2, nproc=4).processes() == 2
+    assert ReplayOptions(capture="c", out="o", dtype="bf16", ensemble=3, nproc=2).processes() == 2
+    assert ReplayOptions(capture="c", out="o", dtype="bf16", nproc=2).processes() == 1
+    assert ReplayOptions(capture="c", out="o", nproc=4).processes() == 4
+    assert ReplayOptions(capture="c", out="o", nproc=4, split="tokens", max_memory="4G").processes() == 4
+    assert ReplayOptions(capture="c", out="o", local=True, nproc=3).processes() == 3
 
 
 def test_the_thread_policy_is_the_options():

@@ -410,25 +410,31 @@ def render(p: dict[str, Any]) -> str:
            f"its own ({g(p['disk']['rank0_partials'])})"
            if p.get("ranks", 1) > 1 else ""),
     ]  # fmt: skip
+    if p.get("shared"):  # api/replay._dry_run: --nproc's ranks on this machine
+        lines.insert(3, f"  ranks    {p['shared']} on this machine (--nproc): their GEMMs share its cores, so about one process's "
+                        "time (their exchanges and rank 0's sums besides); over hosts under torchrun each runs its share")  # fmt: skip
     return "\n".join(lines)
 
 
-# What --nproc's rank processes add to a replay's wall time before their first unit (interpreter, torch,
-# transformers' model module, oracle; each rank on its own core, at once): a tiny Qwen3-VL band of 2 (`oracle replay
-# CAP --dtype amp-bf16 --ensemble 2`, whole commands, 2 cores) took 4.52 / 4.84 s in one process and 6.39 / 6.68 s
-# with `--nproc 2 --threads 1`. Seconds of hours at the user's scale; the whole cost on a small model.
-PROCESS_START_SECONDS = 2.0
+# What --nproc's rank processes add to a band's wall time before their first unit (interpreter, torch, transformers'
+# model module, oracle; each rank on its own core, at once). Within `oracle judge`, whose process has all of it
+# imported already: the tiny Qwen3-VL's band of 2 took 4.8-6.0 s on `--nproc 2 --threads 1` against 0.6 s in the
+# judge's process (PROCESS_START_SECONDS). As whole `oracle replay CAP --dtype amp-bf16 --ensemble 2` commands, whose
+# launching process imports less itself: 4.5-5.1 s in one process, 5.5-7.1 s on 2 (REPLAY_START_SECONDS). Seconds of
+# hours at the user's scale; most of the cost on a small model.
+PROCESS_START_SECONDS = 5.0
+REPLAY_START_SECONDS = 2.0
 
 
-def band_wall(members: int, processes: int, gemm: float, fixed: float) -> tuple[float, float]:
+def band_wall(members: int, processes: int, gemm: float, fixed: float, start: float = PROCESS_START_SECONDS) -> tuple[float, float]:
     """(wall seconds, GEMM seconds) of a band's ``members`` on ``processes`` processes sharing this machine's cores
     (``--nproc``; ``gemm``: one member's GEMMs with all of them, ``fixed``: its other work). Members are dealt whole
     to the processes, so the busiest runs ceil(members / processes) of them, each with 1/processes of the cores: its
-    GEMMs take processes x ``gemm``; its other work (one thread, the disk) is not slowed; the processes start
-    first (PROCESS_START_SECONDS). One process: members x (gemm + fixed)."""
+    GEMMs take processes x ``gemm``; its other work (one thread, the disk) is not slowed; the processes ``start``
+    first. One process: members x (gemm + fixed)."""
     rounds = -(-members // processes)
     gemm_wall = rounds * processes * gemm
-    return gemm_wall + rounds * fixed + (PROCESS_START_SECONDS if processes > 1 else 0.0), gemm_wall
+    return gemm_wall + rounds * fixed + (start if processes > 1 else 0.0), gemm_wall
 
 
 def render_band(p: dict[str, Any], members: int, processes: int) -> str:
@@ -436,7 +442,7 @@ def render_band(p: dict[str, Any], members: int, processes: int) -> str:
     share this machine's cores: their GEMMs do not overlap, their per-parameter work does (``band_wall``,
     measured on the 8B cut: 0.89-0.90x of one after the other on 2 processes of 1 thread, 2 cores)."""
     one = p["estimated_seconds"] + p["parameter_seconds"]
-    wall, _ = band_wall(members, processes, p["estimated_seconds"], p["parameter_seconds"])
+    wall, _ = band_wall(members, processes, p["estimated_seconds"], p["parameter_seconds"], REPLAY_START_SECONDS)
     return (f"  band     {members} members: about {_time(members * one)} here one after the other"
             + (f", about {_time(wall)} on {processes} processes at once (their GEMMs "
                f"share the cores; --max-memory holds for each process: {processes} x the peak above at once)"
