@@ -295,6 +295,11 @@ def _ranks(opts, what: str, echo: Callable[[str], None]) -> None:
         raise StageFailed(f"{what} stopped (exit {rc}) on {opts.processes()} ranks; rerun `oracle judge` to resume", rc)
 
 
+def _n(k: int, word: str) -> str:
+    """``k`` ``word``, plural but for one."""
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
 def _a(word: str) -> str:
     return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
@@ -678,13 +683,13 @@ class Judge:
         if bands and est.get("truth", {}).get("seconds"):
             t = est["truth"]["seconds"]
             lines.append("  the noise band next to the truth: " + ", ".join(
-                f"{s} {est[s]['seconds'] / t:.2f}x ({self.ensemble} members in float32, {self._spread()} process(es)"
+                f"{s} {est[s]['seconds'] / t:.2f}x ({_n(self.ensemble, 'member')} in float32, {self._spread()} process(es)"
                 + (f": one per member, of --nproc {self.nproc}" if self.nproc > self.ensemble else "") + ")" for s in bands))
         import torch
 
         here, f64 = self.own_threads() or torch.get_num_threads(), torch.float64  # the probes' threads (estimates)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        lines.append(f"  GEMM probe now: float64 {self.rates[f64] / 1e9:.1f} GFLOP/s on {here} threads by the wall clock (the times "
+        lines.append(f"  GEMM probe now: float64 {self.rates[f64] / 1e9:.1f} GFLOP/s on {_n(here, 'thread')} by the wall clock (the times "
                      f"here; load average {load:.1f} on {os.cpu_count()} cores), {self.core_rates[f64] / 1e9:.1f} GFLOP/s per core by "
                      "CPU time (the times below: a busy machine slows the first, not the second)")  # fmt: skip
         for cores, hosts in ((64, 1), (64, 8)):
@@ -693,9 +698,9 @@ class Judge:
                                                                       "given to the judge: --truth, --band)")  # fmt: skip
             if hosts == 1:
                 at, floor = server_gemms(est, cores)
-                lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs {duration(at)} at this machine's per-core rate on {cores} "
-                             f"cores, {duration(floor)} with every FLOP at its probe's rate; their fixed costs and the other stages "
-                             f"{duration(t - at)} as here)")  # fmt: skip
+                lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs {duration(at)} on {cores} cores like this machine's, at "
+                             f"the fraction of the per-core probe they reach here, {duration(floor)} at 100 % of it; their fixed costs "
+                             f"and the other stages {duration(t - at)} as here)")  # fmt: skip
                 continue
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"
                          + self._hosts_split(est, here, cores, hosts) + ", their fixed costs and the other stages as here)")  # fmt: skip

@@ -445,7 +445,7 @@ def render_band(p: dict[str, Any], members: int, processes: int) -> str:
     wall, _ = band_wall(members, processes, p["estimated_seconds"], p["parameter_seconds"], REPLAY_START_SECONDS)
     return (f"  band     {members} members: about {_time(members * one)} here one after the other"
             + (f", about {_time(wall)} on {processes} processes at once (their GEMMs "
-               f"share the cores; --max-memory holds for each process: {processes} x the peak above at once)"
+               f"share the cores; each process holds the peak above: {processes} x it at once)"
                if processes > 1 else "")
             + f"; their gradients {_gib(members * p['disk']['gradients'])} in the bundle")
 
