@@ -549,7 +549,10 @@ class Judge:
             torch.set_num_threads(keep)
 
     def _estimates(self, caps: list[Bundle], given: dict[str, Path] | None) -> dict[str, dict[str, float]]:
+        import torch
+
         from ..integrations.megatron.merge import memory_need as merge_memory
+        from ..parallel.launch import per_rank_threads
         from ..replay.streaming.engine import rss_bytes
         from ..replay.streaming.plan import band_wall, core_rates, gemm_rates, plan
         from ..score.scorer import memory_need as score_memory
@@ -593,7 +596,10 @@ class Judge:
             # gradients written and hashed). Measured on the 8B cut at 2048 tokens, a bf16 band of 2, one after the
             # other on 2 cores: `--ensemble 2` 216.5 s, `--ensemble 2 --nproc 2 --threads 1` 192.6 s (0.89x; priced
             # 0.5x before, as if each process had the machine to itself). The rank stages below are the serial sum.
-            wall, gemm_wall = band_wall(self.ensemble, self._spread(), gemm_s(q), fixed)
+            # each rank on --threads (per_rank_threads): fewer than its share of the probe's threads slows its GEMMs
+            spread = self._spread()
+            slower = torch.get_num_threads() / per_rank_threads(spread, self.threads) if spread > 1 else None
+            wall, gemm_wall = band_wall(self.ensemble, spread, gemm_s(q), fixed, slower=slower)
             est[f"band-{prec}"] = {"seconds": wall, "flops": q["total_flops"] * self.ensemble,
                                    "gemm_seconds": gemm_wall, "gemm_core_seconds": core_s(q) * self.ensemble,
                                    "floor_core_seconds": floor(q) * self.ensemble,

@@ -164,8 +164,13 @@ def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp3
     clock = itertools.count()
     monkeypatch.setattr(judge_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     caps = [Bundle(fp32_capture), Bundle(amp_capture)]
-    one, two, three = (judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / f"j{n}{k}", names=["a", "b"], ensemble=k,
-                                       nproc=n, max_memory="8G").estimates(caps) for n, k in ((1, 2), (2, 2), (2, 3)))  # fmt: skip
+    keep = torch.get_num_threads()
+    torch.set_num_threads(2)  # the probe's threads: 2 ranks of at least one core each (per_rank_threads) share them
+    try:
+        one, two, three = (judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / f"j{n}{k}", names=["a", "b"], ensemble=k,
+                                           nproc=n, max_memory="8G").estimates(caps) for n, k in ((1, 2), (2, 2), (2, 3)))  # fmt: skip
+    finally:
+        torch.set_num_threads(keep)
     bands = [s for s in one if s.startswith("band-")]
     assert len(bands) == 2
     for s in bands:
@@ -180,6 +185,15 @@ def test_band_members_in_processes_share_the_cores_and_overlap_only_the_rest(fp3
         # 3 members on 2 processes: one process runs 2 of them, each on half the cores (they are dealt whole)
         assert c["seconds"] == pytest.approx(2 * (2 * gemm + fixed) + start) and c["seconds"] > 1.5 * (b["seconds"] - start)
     assert judge_mod.hosts_plan(two, 2, 64, 8) == pytest.approx(judge_mod.hosts_plan(one, 2, 64, 8))
+    # --threads 1 per rank where the probe ran on 4: each member's GEMMs on a quarter of those cores, not half
+    torch.set_num_threads(4)
+    try:
+        thin = judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / "t", names=["a", "b"], ensemble=2, nproc=2, threads=1,
+                               max_memory="8G").estimates(caps)  # fmt: skip
+    finally:
+        torch.set_num_threads(keep)
+    for s in bands:
+        assert thin[s]["gemm_seconds"] == pytest.approx(4 * one[s]["member_gemm"])  # 1 round x 4 x a member's GEMMs
     # more processes than members: one per member, and the line says why it is not --nproc
     said = judge_mod.Judge(fp32_capture, amp_capture, out=tmp_path / "j4", names=["a", "b"], ensemble=2, nproc=4,
                            max_memory="8G").dry_run()[0]  # fmt: skip

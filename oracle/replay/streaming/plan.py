@@ -426,14 +426,16 @@ PROCESS_START_SECONDS = 5.0
 REPLAY_START_SECONDS = 2.0
 
 
-def band_wall(members: int, processes: int, gemm: float, fixed: float, start: float = PROCESS_START_SECONDS) -> tuple[float, float]:
+def band_wall(members: int, processes: int, gemm: float, fixed: float, start: float = PROCESS_START_SECONDS,
+              slower: float | None = None) -> tuple[float, float]:  # fmt: skip
     """(wall seconds, GEMM seconds) of a band's ``members`` on ``processes`` processes sharing this machine's cores
     (``--nproc``; ``gemm``: one member's GEMMs with all of them, ``fixed``: its other work). Members are dealt whole
     to the processes, so the busiest runs ceil(members / processes) of them, each with 1/processes of the cores: its
-    GEMMs take processes x ``gemm``; its other work (one thread, the disk) is not slowed; the processes ``start``
-    first. One process: members x (gemm + fixed)."""
+    GEMMs take processes x ``gemm`` (``slower`` x where a process has fewer: --threads T below the cores / processes,
+    the probe's threads / T); its other work (one thread, the disk) is not slowed; the processes ``start`` first.
+    One process: members x (gemm + fixed)."""
     rounds = -(-members // processes)
-    gemm_wall = rounds * processes * gemm
+    gemm_wall = rounds * max(processes, slower or 0) * gemm
     return gemm_wall + rounds * fixed + (start if processes > 1 else 0.0), gemm_wall
 
 
