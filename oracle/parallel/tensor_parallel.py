@@ -75,19 +75,6 @@ def check_divisible(model: nn.Module, ranks: int) -> None:
                          f"{'; '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {ranks}; choose an --nproc that divides them")  # fmt: skip
 
 
-def check_capture(cap, ranks: int) -> None:
-    """``check_divisible`` on ``cap``'s model built on the meta device (no weights): before any rank starts or a
-    dry run prices the split, so that N ranks do not each start, fail and say so."""
-    import torch
-    import torch._dynamo  # noqa: F401  (imported before the device context: bundle/shapes.expected_shapes says why)
-
-    from ..replay.setup import recipe_of
-
-    with torch.device("meta"):
-        model = recipe_of(cap).build(dict(cap.manifest["recipe"]["config"]))
-    check_divisible(model, ranks)
-
-
 def vocabulary_split(model: nn.Module, ranks: int) -> bool:
     """Whether the head is split by vocabulary rows: an untied ``lm_head`` whose rows divide evenly
     (a head tied to the embedding stays whole: the embedding lookup is not split)."""
