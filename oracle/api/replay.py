@@ -24,6 +24,11 @@ def replay(opts: ReplayOptions, echo: Echo = print) -> int:
         from ..replay.ranks import launch_ranks
 
         _check_tensor_split(opts)
+        if opts.local:  # said once here, not by each rank
+            from ..bundle.store import Bundle
+            from ..replay.local import recorded_modules
+
+            recorded_modules(Bundle(opts.capture))
         check_output(opts.out, opts.overwrite)  # the launcher claims --out for its ranks (atomic.claim), dropped at its exit
         return launch_ranks(opts)
     import torch

@@ -705,7 +705,7 @@ class Judge:
             if hosts == 1:
                 at, floor = server_gemms(est, cores)
                 lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs {duration(at)} on {cores} cores like this machine's, at "
-                             f"the fraction of the per-core probe they reach here, {duration(floor)} at 100 % of it; their fixed costs "
+                             f"the fraction of the per-core probe they reach here, no less than {duration(floor)} at 100 % of it; their fixed costs "
                              f"and the other stages {duration(t - at)} as here)")  # fmt: skip
                 continue
             lines.append(f"  {where}: about {duration(t)} (the replays' GEMMs at this machine's per-core rate on {cores * hosts} cores"

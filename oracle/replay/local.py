@@ -564,13 +564,9 @@ def _entry_sources(cap: Bundle, dev: torch.Tensor, ref: torch.Tensor, emu: torch
     return out
 
 
-def replay_local(
-    capture: str | Path, out: str | Path, *, modules: str | None = None, members: int = 2, workers: int = 1,
-    overwrite: bool = False, progress: bool = False,
-) -> Path:  # fmt: skip
-    cap = Bundle(capture)
-    check_not_input(out, [capture])
-    check_output(out, overwrite)
+def recorded_modules(cap: Bundle) -> dict:
+    """The module boundaries ``cap`` recorded, which a local replay needs: BundleError (exit 4) naming how to
+    capture them where there are none (api/replay.py asks before --nproc's ranks start, so it is said once)."""
     recorded = cap.get("modules") or {}
     if not recorded:
         unmapped = ((cap.get("megatron") or {}).get("boundaries") or {}).get("unmapped") or []
@@ -579,6 +575,17 @@ def replay_local(
                               f"recipe's modules (e.g. {unmapped[0]['module']}: {unmapped[0]['why']})")  # fmt: skip
         raise BundleError(f"{cap.path} has no module boundaries; capture with --modules (e.g. --modules all), or on "
                           "Megatron with ORACLE_CAPTURE_MODULES=layers (or capture_rank(modules=record_modules(...)))")  # fmt: skip
+    return recorded
+
+
+def replay_local(
+    capture: str | Path, out: str | Path, *, modules: str | None = None, members: int = 2, workers: int = 1,
+    overwrite: bool = False, progress: bool = False,
+) -> Path:  # fmt: skip
+    cap = Bundle(capture)
+    check_not_input(out, [capture])
+    check_output(out, overwrite)
+    recorded = recorded_modules(cap)
     check_inputs(cap)  # the inputs boundary (oracle/replay/inputs.py): the loss head reads the labels
     names = sorted(recorded)
     if modules:

@@ -81,6 +81,9 @@ class ReplayOptions:
         if self.local and self.max_memory is not None:
             raise UsageError("--local replays one recorded module at a time (only that module is materialised); "
                              "--max-memory does not apply to it: drop --max-memory")  # fmt: skip
+        if self.local and self.dry_run:
+            raise UsageError("--dry-run prices a whole-model replay; --local replays one recorded module at a time "
+                             "(each within its own memory): drop --dry-run or --local")  # fmt: skip
         if self.local and self.dtype != "fp64":
             raise UsageError("--local replays each module in fp64 (and emulates the capture's precision itself); drop --dtype")
         if not self.local and (self.modules is not None or self.workers != 1):

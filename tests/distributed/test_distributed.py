@@ -185,7 +185,7 @@ def test_nproc_hands_the_ranks_the_validated_options_not_a_command_line(cap, tmp
         assert "glibc.malloc.hugetlb=1" in seen["env"]["GLIBC_TUNABLES"]
 
 
-def test_nproc_starts_no_rank_without_work_and_refuses_an_uneven_split_before_any_starts(cap, tmp_path, monkeypatch):
+def test_nproc_starts_no_rank_without_work_and_refuses_an_uneven_split_before_any_starts(cap, fp32_capture, tmp_path, monkeypatch):
     """A band of 2 on --nproc 4 starts 2 ranks (each with the cores of 2), one member starts none (it runs here); a
     float64 split by tensors whose heads do not divide by --nproc is refused once, exit 2, before any rank starts,
     and so is its dry run (which used to price it and exit 0)."""
@@ -204,6 +204,10 @@ def test_nproc_starts_no_rank_without_work_and_refuses_an_uneven_split_before_an
         r = CliRunner().invoke(app, ["replay", str(cap), "--nproc", "3", *extra])
         assert r.exit_code == 2 and r.output.count("are not divisible by 3") == 1, r.output
     assert len(starts) == 1 and not (tmp_path / "tp").exists()
+    # a local replay of a capture without module boundaries: said once, exit 4, before any rank starts
+    r = CliRunner().invoke(app, ["replay", str(fp32_capture), "--out", str(tmp_path / "loc"), "--local", "--nproc", "2"])
+    assert r.exit_code == 4 and r.output.count("has no module boundaries") == 1, r.output
+    assert len(starts) == 1 and not (tmp_path / "loc").exists()
 
 
 def test_a_dry_run_on_nproc_ranks_prices_them_sharing_this_machines_cores(cap, monkeypatch):

@@ -16,6 +16,7 @@ RULES = [
     (dict(capture="c"), "give --out"),
     (dict(capture="c", out="o", local=True, max_memory="4G"), "drop --max-memory"),
     (dict(capture="c", out="o", local=True, dtype="bf16"), "drop --dtype"),
+    (dict(capture="c", local=True, dry_run=True), "drop --dry-run or --local"),
     (dict(capture="c", out="o", modules="layers"), "apply to --local replays only"),
     (dict(capture="c", out="o", workers=2), "apply to --local replays only"),
     (dict(capture="c", out="o", dtype="fp8"), "--dtype 'fp8'"),
