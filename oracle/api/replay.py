@@ -97,7 +97,7 @@ def _dry_run(opts: ReplayOptions, echo: Echo) -> int:
         p["shared"] = local
     echo(plan.render(p))
     if opts.ensemble > 1 and opts.dtype != "fp64":  # render prices one member
-        echo(plan.render_band(p, opts.ensemble, opts.processes()))
+        echo(plan.render_band(p, opts.ensemble, opts.processes(), opts.nproc))
     if not p["fits"]:
         raise UsageError(p["refusal"])  # exactly what the run would refuse
     return 0

@@ -177,6 +177,8 @@ def test_a_bands_dry_run_prices_its_members_one_after_the_other_and_at_once(fp32
     r = CliRunner().invoke(app, [*cmd, "--ensemble", "3", "--nproc", "2"])
     assert r.exit_code == 0 and "\n  band     3 members: about " in r.output and " on 2 processes at once " in r.output, r.output
     assert "\n  band " not in CliRunner().invoke(app, cmd).output  # one member: the plan's own line is the run's
+    r = CliRunner().invoke(app, [*cmd, "--ensemble", "2", "--nproc", "4"])  # no more processes than members
+    assert r.exit_code == 0 and " on 2 processes at once (one per member, of --nproc 4) " in r.output, r.output
 
 
 def test_replay_without_out_is_a_usage_error(fp32_capture):

@@ -439,14 +439,14 @@ def band_wall(members: int, processes: int, gemm: float, fixed: float, start: fl
     return gemm_wall + rounds * fixed + (start if processes > 1 else 0.0), gemm_wall
 
 
-def render_band(p: dict[str, Any], members: int, processes: int) -> str:
+def render_band(p: dict[str, Any], members: int, processes: int, nproc: int = 1) -> str:
     """The dry run's line for a band of ``members`` (``render`` prices one). On ``processes`` at once the members
     share this machine's cores: their GEMMs do not overlap, their per-parameter work does (``band_wall``,
     measured on the 8B cut: 0.89-0.90x of one after the other on 2 processes of 1 thread, 2 cores)."""
     one = p["estimated_seconds"] + p["parameter_seconds"]
     wall, _ = band_wall(members, processes, p["estimated_seconds"], p["parameter_seconds"], REPLAY_START_SECONDS)
     return (f"  band     {members} members: about {_time(members * one)} here one after the other"
-            + (f", about {_time(wall)} on {processes} processes at once (their GEMMs "
+            + (f", about {_time(wall)} on {processes} processes at once{' (one per member, of --nproc ' + str(nproc) + ')' if nproc > processes else ''} (their GEMMs "
                f"share the cores; each process holds the peak above: {processes} x it at once)"
                if processes > 1 else "")
             + f"; their gradients {_gib(members * p['disk']['gradients'])} in the bundle")
