@@ -64,17 +64,13 @@ def _check_tensor_split(opts: ReplayOptions) -> None:
     """A float64 replay split by tensors over --nproc ranks needs heads and MLP columns that divide by them:
     refused here, once, before its ranks start (or a dry run prices it)."""
     if opts.dtype == "fp64" and opts.split == "tensor" and opts.processes() > 1 and not opts.local:
-        import torch
-        import torch._dynamo  # noqa: F401  (imported before the device context: bundle/shapes.expected_shapes says why)
-
+        from ..bundle.shapes import meta_model
         from ..bundle.store import Bundle
         from ..parallel.tensor_parallel import check_divisible
         from ..replay.setup import recipe_of
 
         cap = Bundle(opts.capture)
-        with torch.device("meta"):  # the model's config, no weights
-            model = recipe_of(cap).build(dict(cap.manifest["recipe"]["config"]))
-        check_divisible(model, opts.processes())
+        check_divisible(meta_model(recipe_of(cap), cap.manifest["recipe"]["config"]), opts.processes())
 
 
 def _dry_run(opts: ReplayOptions, echo: Echo) -> int:

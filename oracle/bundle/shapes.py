@@ -39,8 +39,9 @@ def stored_shapes(bundle) -> tuple[dict[str, list[int]], str]:
     return {n: e["shape"] for n, e in bundle.manifest["tensors"].get("weights", {}).items()}, str(bundle.path)
 
 
-def expected_shapes(recipe: Recipe, config: Mapping[str, Any]) -> dict[str, list[int]]:
-    """Parameter name -> shape of ``recipe.build(config)``, built on the meta device."""
+def meta_model(recipe: Recipe, config: Mapping[str, Any]) -> torch.nn.Module:
+    """``recipe.build(config)`` on the meta device (its structure and shapes, no weights); RecipeError for a config
+    it cannot build."""
     # torch 2.8 cannot import torch._dynamo for the first time under a device context (its import runs ops through
     # the context's __torch_function__, which reaches torch._dynamo.disable before the module has it: "partially
     # initialized module"); transformers' model modules import it, so a fresh process built nothing. Import it first.
@@ -48,10 +49,14 @@ def expected_shapes(recipe: Recipe, config: Mapping[str, Any]) -> dict[str, list
 
     try:
         with torch.device("meta"):
-            model = recipe.build(dict(config))
+            return recipe.build(dict(config))
     except Exception as e:  # the config is user data: transformers raises many types for bad ones
         raise RecipeError(f"recipe {recipe.name!r} cannot build a model from this config ({type(e).__name__}: {e})") from None
-    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def expected_shapes(recipe: Recipe, config: Mapping[str, Any]) -> dict[str, list[int]]:
+    """Parameter name -> shape of ``recipe.build(config)``, built on the meta device."""
+    return {n: list(p.shape) for n, p in meta_model(recipe, config).named_parameters()}
 
 
 def check_shapes(recipe: Recipe, config: Mapping[str, Any], stored: Mapping[str, Sequence[int]], where: str, *,
